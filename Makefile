@@ -1,0 +1,38 @@
+# Two commands do all set-up: `make train` and `make test`. Each (re)builds .venv from
+# pyproject.toml when it is missing or older than pyproject.toml.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= runs/default
+CONFIG ?= configs/default.py
+
+.PHONY: train test lint format bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+train: $(VENV)/.installed
+	$(PY) train.py --config $(CONFIG) --workdir $(WORKDIR)
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest tests -q
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(VENV)/.installed
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,30 @@
+"""flaxformer_lite: the Transformer of "Attention Is All You Need" in JAX and Flax linen.
+
+Importing the package loads jax, flax and numpy only. Training, data, decoding CLIs and plotting
+live in submodules that import their own heavier dependencies.
+"""
+
+from flaxformer_lite import attention, masks, positions
+from flaxformer_lite.attention import dot_product_attention
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.layers import DecoderLayer, Embed, EncoderLayer, MlpBlock, MultiHeadAttention
+from flaxformer_lite.models import Decoder, DecoderOnly, Encoder, EncoderClassifier, EncoderDecoder
+
+__all__ = [
+    "Decoder",
+    "DecoderLayer",
+    "DecoderOnly",
+    "Embed",
+    "Encoder",
+    "EncoderClassifier",
+    "EncoderDecoder",
+    "EncoderLayer",
+    "MlpBlock",
+    "MultiHeadAttention",
+    "TransformerConfig",
+    "attention",
+    "dot_product_attention",
+    "masks",
+    "positions",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,222 @@
+"""TransformerConfig: every model hyper-parameter, frozen, validated at construction.
+
+Defaults are the paper's base model (Vaswani et al. 2017, Table 3). The config round-trips
+through JSON (``to_json`` / ``from_json``) so it is saved beside every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax.numpy as jnp
+
+ACTIVATIONS = ("relu", "gelu", "swiglu", "geglu")
+NORM_POSITIONS = ("post", "pre")
+NORM_TYPES = ("layernorm", "rmsnorm")
+POSITIONS = ("sinusoidal", "learned", "rotary", "none")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+POOLINGS = ("mean", "first")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters of the encoder-decoder, decoder-only and encoder-only models.
+
+    Attributes:
+      vocab_size: source vocabulary (and target vocabulary unless ``target_vocab_size``).
+      target_vocab_size: target vocabulary when it differs from the source one; None = same.
+      d_model: width of the residual stream and embeddings.
+      num_heads: query heads per attention layer.
+      num_kv_heads: key/value heads (None = num_heads; 1 = multi-query; else grouped-query).
+      d_ff: hidden width of the position-wise feed-forward block.
+      num_encoder_layers, num_decoder_layers: stack depths.
+      dropout_rate: residual dropout on every sub-layer output and on the embedding sums.
+      attention_dropout_rate: dropout on the attention weights.
+      max_len: longest sequence the position encoding supports.
+      activation: "relu" (paper), "gelu", or gated "swiglu"/"geglu".
+      norm_position: "post" (paper: LayerNorm(x + Sublayer(x))) or "pre" (x + Sublayer(LN(x))).
+      norm_type: "layernorm" or "rmsnorm".
+      layer_norm_epsilon: 1e-6 as in the reference implementation.
+      position: "sinusoidal" (paper), "learned", "rotary" (relative, inside attention) or "none".
+      share_embeddings: one embedding table for source and target (needs equal vocabularies).
+      tie_output_embedding: the pre-softmax projection is the target embedding transposed.
+      use_bias: biases in the attention and feed-forward projections.
+      dtype: compute dtype ("float32", "bfloat16", "float16"); softmax and loss stay float32.
+      param_dtype: storage dtype of the parameters.
+      attention_implementation: "xla" (reference) or "cudnn" (jax.nn.dot_product_attention).
+      num_classes: labels of the EncoderClassifier head.
+      pooling: how the classifier pools the encoder output ("mean" over real tokens, "first").
+      pad_id: the padding token id in every input.
+      bos_id: the first decoder input (targets are shifted right behind it).
+    """
+
+    vocab_size: int = 37000
+    target_vocab_size: int | None = None
+    d_model: int = 512
+    num_heads: int = 8
+    num_kv_heads: int | None = None
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.0
+    max_len: int = 256
+    activation: str = "relu"
+    norm_position: str = "post"
+    norm_type: str = "layernorm"
+    layer_norm_epsilon: float = 1e-6
+    position: str = "sinusoidal"
+    share_embeddings: bool = True
+    tie_output_embedding: bool = True
+    use_bias: bool = True
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    attention_implementation: str = "xla"
+    num_classes: int = 2
+    pooling: str = "mean"
+    pad_id: int = 0
+    bos_id: int = 2
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size d_model num_heads d_ff max_len num_classes"
+            " num_encoder_layers num_decoder_layers"
+        ).split()
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"TransformerConfig.{name} must be a positive integer; got {value!r}"
+                )
+        for name in ("target_vocab_size", "num_kv_heads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(
+                    f"TransformerConfig.{name} must be None or a positive integer; got {value!r}"
+                )
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"TransformerConfig.d_model ({self.d_model}) must be divisible by "
+                f"num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"TransformerConfig.{name} must be in [0, 1); got {value!r}")
+        if self.layer_norm_epsilon <= 0:
+            raise ValueError(
+                f"TransformerConfig.layer_norm_epsilon must be > 0; got {self.layer_norm_epsilon}"
+            )
+        choices = {
+            "activation": ACTIVATIONS,
+            "norm_position": NORM_POSITIONS,
+            "norm_type": NORM_TYPES,
+            "position": POSITIONS,
+            "dtype": DTYPES,
+            "param_dtype": DTYPES,
+            "attention_implementation": ATTENTION_IMPLEMENTATIONS,
+            "pooling": POOLINGS,
+        }
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(
+                    f"TransformerConfig.{name} must be one of {valid}; got {getattr(self, name)!r}"
+                )
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ValueError(
+                f"TransformerConfig.d_model must be even for sinusoidal positions; "
+                f"got {self.d_model}"
+            )
+        if self.position == "rotary" and self.head_dim % 2:
+            raise ValueError(
+                f"rotary positions need an even head_dim (d_model / num_heads); got {self.head_dim}"
+            )
+        if self.share_embeddings and self.output_vocab_size != self.vocab_size:
+            raise ValueError(
+                "TransformerConfig.share_embeddings=True needs target_vocab_size equal to "
+                f"vocab_size (or None); got {self.target_vocab_size} vs {self.vocab_size}"
+            )
+        for name in ("pad_id", "bos_id"):
+            value = getattr(self, name)
+            if not 0 <= value < min(self.vocab_size, self.output_vocab_size):
+                raise ValueError(
+                    f"TransformerConfig.{name} must be in [0, vocab_size); got {value} "
+                    f"with vocab_size={self.vocab_size}"
+                )
+
+    # Derived sizes.
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def output_vocab_size(self) -> int:
+        return self.target_vocab_size or self.vocab_size
+
+    @property
+    def compute_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def parameter_dtype(self) -> Any:
+        return jnp.dtype(self.param_dtype)
+
+    # Presets.
+    @classmethod
+    def base(cls, **overrides: Any) -> TransformerConfig:
+        """The paper's base model: 512 wide, 8 heads, d_ff 2048, 6+6 layers, dropout 0.1."""
+        kw: dict[str, Any] = dict(
+            d_model=512,
+            num_heads=8,
+            d_ff=2048,
+            num_encoder_layers=6,
+            num_decoder_layers=6,
+            dropout_rate=0.1,
+        )
+        return cls(**{**kw, **overrides})
+
+    @classmethod
+    def big(cls, **overrides: Any) -> TransformerConfig:
+        """The paper's big model: 1024 wide, 16 heads, d_ff 4096, 6+6 layers, dropout 0.3."""
+        kw: dict[str, Any] = dict(
+            d_model=1024,
+            num_heads=16,
+            d_ff=4096,
+            num_encoder_layers=6,
+            num_decoder_layers=6,
+            dropout_rate=0.3,
+        )
+        return cls(**{**kw, **overrides})
+
+    def replace(self, **changes: Any) -> TransformerConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig fields {unknown}; valid: {sorted(fields)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> TransformerConfig:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,404 @@
+"""Flax linen layers: thin wrappers that hold parameters and call the pure functions.
+
+Every parameter carries logical axis names ("embed", "heads", "kv", "mlp", "vocab") through
+``nn.with_logical_partitioning``, so sharding rules can place it without touching these layers.
+Leaf modules (``MultiHeadAttention``, ``MlpBlock``, ``Embed``) take plain arguments and can be
+lifted into other projects alone; the layer stacks take a ``TransformerConfig``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite import positions as pos_lib
+from flaxformer_lite.attention import dot_product_attention
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.masks import combine_masks
+
+Array = jax.Array
+Dtype = Any
+
+_xavier = nn.initializers.xavier_uniform()
+_zeros = nn.initializers.zeros_init()
+
+
+def _param_init(init: Callable, names: tuple[str | None, ...]) -> Callable:
+    return nn.with_logical_partitioning(init, names)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (the paper's section 3.2.2), self- or cross-attention.
+
+    Queries come from ``inputs_q`` `[batch, q_len, features]`; keys and values from ``inputs_kv``
+    `[batch, kv_len, features]` (the encoder output in encoder-decoder attention) or from
+    ``inputs_q`` when ``inputs_kv`` is None.
+
+    Autoregressive decoding (``decode=True``, self-attention only) keeps the projected keys and
+    values in the "cache" collection: ``cached_key``/``cached_value`` `[batch, max_len, kv_heads,
+    head_dim]` and a scalar ``cache_index``. Calling ``init`` with ``decode=True`` on inputs of
+    length ``max_len`` allocates it. Each decode call appends its ``q_len`` new positions
+    (one token per step, or a whole prompt at once) and attends causally to everything cached,
+    so a step costs work proportional to the current length, not its square.
+    """
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int | None = None
+    dropout_rate: float = 0.0
+    use_bias: bool = True
+    use_rotary: bool = False
+    implementation: str = "xla"
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def _project(self, x: Array, heads: int, name: str) -> Array:
+        return nn.DenseGeneral(
+            features=(heads, self.head_dim),
+            use_bias=self.use_bias,
+            kernel_init=_param_init(_xavier, ("embed", "heads", "kv")),
+            bias_init=_param_init(_zeros, ("heads", "kv")),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name=name,
+        )(x)
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array | None = None,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        *,
+        positions_q: Array | None = None,
+        positions_kv: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        return_weights: bool = False,
+    ) -> Array | tuple[Array, Array]:
+        """Returns `[batch, q_len, features]` (and weights `[batch, heads, q_len, kv_len]`).
+
+        mask: bool broadcastable to `[batch, heads, q_len, kv_len]`. positions_q/positions_kv:
+        int `[batch, len]`, used by rotary embeddings (default: 0..len-1).
+        """
+        features = inputs_q.shape[-1]
+        kv_heads = self.num_kv_heads or self.num_heads
+        self_attention = inputs_kv is None
+        kv_source = inputs_q if self_attention else inputs_kv
+        query = self._project(inputs_q, self.num_heads, "query")
+        key = self._project(kv_source, kv_heads, "key")
+        value = self._project(kv_source, kv_heads, "value")
+
+        if decode:
+            if not self_attention:
+                raise ValueError("decode=True is for self-attention (inputs_kv=None) only")
+            key, value, mask, positions_q = self._update_cache(key, value, mask)
+            positions_kv = jnp.arange(key.shape[1])[None]
+        if self.use_rotary:
+            if positions_q is None:
+                positions_q = jnp.arange(query.shape[1])[None]
+            if positions_kv is None:
+                positions_kv = positions_q if self_attention else jnp.arange(key.shape[1])[None]
+            query = pos_lib.rotary(query, positions_q)
+            if not decode:  # cached keys were rotated when they were written
+                key = pos_lib.rotary(key, positions_kv)
+
+        dropout_rng = None
+        if self.dropout_rate > 0.0 and not deterministic:
+            dropout_rng = self.make_rng("dropout")
+        result = dot_product_attention(
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            dropout_rate=self.dropout_rate,
+            dropout_rng=dropout_rng,
+            deterministic=deterministic,
+            return_weights=return_weights,
+            implementation=self.implementation,
+        )
+        out, weights = result if return_weights else (result, None)
+        out = nn.DenseGeneral(
+            features=features,
+            axis=(-2, -1),
+            use_bias=self.use_bias,
+            kernel_init=_param_init(_xavier, ("heads", "kv", "embed")),
+            bias_init=_param_init(_zeros, ("embed",)),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="out",
+        )(out)
+        return (out, weights) if return_weights else out
+
+    def _update_cache(
+        self, key: Array, value: Array, mask: Array | None
+    ) -> tuple[Array, Array, Array | None, Array]:
+        """Writes the new keys/values at ``cache_index``; returns the full cache and its mask."""
+        initialized = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        q_len = key.shape[1]
+        positions_q = (cache_index.value + jnp.arange(q_len))[None]  # [1, q_len]
+        if not initialized:  # the init call only allocates the cache
+            return key, value, mask, positions_q
+        if self.use_rotary:
+            key = pos_lib.rotary(key, positions_q)
+        index = cache_index.value
+        max_len = cached_key.value.shape[1]
+        zero = jnp.array(0, jnp.int32)
+        cached_key.value = jax.lax.dynamic_update_slice(
+            cached_key.value, key.astype(cached_key.value.dtype), (zero, index, zero, zero)
+        )
+        cached_value.value = jax.lax.dynamic_update_slice(
+            cached_value.value, value.astype(cached_value.value.dtype), (zero, index, zero, zero)
+        )
+        cache_index.value = index + q_len
+        # New query i (absolute position index + i) sees cached positions <= index + i.
+        causal = jnp.arange(max_len)[None, :] <= positions_q[0][:, None]
+        mask = combine_masks(mask, causal[None, None])
+        return cached_key.value, cached_value.value, mask, positions_q
+
+
+class MlpBlock(nn.Module):
+    """Position-wise feed-forward network: `[..., features]` -> `[..., features]`.
+
+    "relu" is the paper's max(0, xW1 + b1)W2 + b2; "gelu" swaps the non-linearity; "swiglu" and
+    "geglu" are the gated variants act(xW_gate) * (xW_up) W_down (Shazeer 2020).
+    """
+
+    d_ff: int
+    activation: str = "relu"
+    dropout_rate: float = 0.0
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
+        def dense(features: int, names: tuple[str, str], name: str) -> nn.Dense:
+            return nn.Dense(
+                features,
+                use_bias=self.use_bias,
+                kernel_init=_param_init(_xavier, names),
+                bias_init=_param_init(_zeros, (names[1],)),
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name=name,
+            )
+
+        acts = {"relu": nn.relu, "gelu": nn.gelu, "swiglu": nn.silu, "geglu": nn.gelu}
+        if self.activation not in acts:
+            raise ValueError(f"activation must be one of {tuple(acts)}; got {self.activation!r}")
+        act = acts[self.activation]
+        h = act(dense(self.d_ff, ("embed", "mlp"), "wi")(x))
+        if self.activation in ("swiglu", "geglu"):
+            h = h * dense(self.d_ff, ("embed", "mlp"), "wi_up")(x)
+        # Dropout inside the FFN is not in the paper; residual dropout follows the block.
+        return dense(x.shape[-1], ("mlp", "embed"), "wo")(h)
+
+
+class Embed(nn.Module):
+    """Token embedding `[vocab, features]` with ``attend`` for tied pre-softmax logits.
+
+    Initialised N(0, features^-1/2): multiplied by sqrt(features) on lookup (the paper's scaling),
+    the embedded tokens have unit variance, the scale of the sinusoids they are added to.
+    """
+
+    num_embeddings: int
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        self.embedding = self.param(
+            "embedding",
+            _param_init(nn.initializers.normal(self.features**-0.5), ("vocab", "embed")),
+            (self.num_embeddings, self.features),
+            self.param_dtype,
+        )
+
+    def __call__(self, tokens: Array) -> Array:
+        """int `[batch, length]` -> `[batch, length, features]`, scaled by sqrt(features)."""
+        table = jnp.asarray(self.embedding, self.dtype)
+        return jnp.take(table, tokens, axis=0) * jnp.asarray(self.features**0.5, self.dtype)
+
+    def attend(self, x: Array) -> Array:
+        """`[batch, length, features]` -> logits `[batch, length, vocab]` (x times table^T)."""
+        table = jnp.asarray(self.embedding, self.dtype)
+        return jnp.einsum("bld,vd->blv", x.astype(self.dtype), table)
+
+
+def make_norm(config: TransformerConfig, name: str) -> nn.Module:
+    kw = dict(
+        epsilon=config.layer_norm_epsilon,
+        dtype=config.compute_dtype,
+        param_dtype=config.parameter_dtype,
+        scale_init=_param_init(nn.initializers.ones_init(), ("embed",)),
+        name=name,
+    )
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(**kw)
+    return nn.LayerNorm(bias_init=_param_init(_zeros, ("embed",)), **kw)
+
+
+def residual(
+    x: Array,
+    sublayer: Callable[[Array], tuple[Array, Any]],
+    norm: nn.Module,
+    dropout: nn.Dropout,
+    *,
+    pre_norm: bool,
+    deterministic: bool,
+) -> tuple[Array, Any]:
+    """Post-LN LayerNorm(x + Dropout(f(x))) (the paper) or pre-LN x + Dropout(f(LN(x))).
+
+    ``sublayer`` returns ``(y, aux)``; aux (attention weights or None) is passed through.
+    """
+    y, aux = sublayer(norm(x) if pre_norm else x)
+    y = dropout(y, deterministic=deterministic)
+    return (x + y if pre_norm else norm(x + y)), aux
+
+
+def _attention(config: TransformerConfig, name: str, *, cross: bool = False) -> MultiHeadAttention:
+    return MultiHeadAttention(
+        num_heads=config.num_heads,
+        head_dim=config.head_dim,
+        num_kv_heads=config.num_kv_heads,
+        dropout_rate=config.attention_dropout_rate,
+        use_bias=config.use_bias,
+        # Rotary encodes distances within one sequence; queries and keys of cross-attention
+        # live in different sequences, so it applies to self-attention only.
+        use_rotary=config.position == "rotary" and not cross,
+        implementation=config.attention_implementation,
+        dtype=config.compute_dtype,
+        param_dtype=config.parameter_dtype,
+        name=name,
+    )
+
+
+def _mlp(config: TransformerConfig) -> MlpBlock:
+    return MlpBlock(
+        d_ff=config.d_ff,
+        activation=config.activation,
+        use_bias=config.use_bias,
+        dtype=config.compute_dtype,
+        param_dtype=config.parameter_dtype,
+        name="mlp",
+    )
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each in a residual sub-layer. `[b, s, d]` -> `[b, s, d]`.
+
+    Returns the attention weights `[b, heads, s, s]` too when ``return_weights``.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        mask: Array | None,
+        *,
+        positions: Array | None = None,
+        deterministic: bool = True,
+        return_weights: bool = False,
+    ):
+        cfg = self.config
+        kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=deterministic)
+        dropout = nn.Dropout(cfg.dropout_rate)
+        attn = _attention(cfg, "self_attention")
+
+        def self_attention(h: Array):
+            out = attn(
+                h,
+                None,
+                mask,
+                positions_q=positions,
+                deterministic=deterministic,
+                return_weights=return_weights,
+            )
+            return out if return_weights else (out, None)
+
+        x, weights = residual(
+            x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw
+        )
+        mlp = _mlp(cfg)
+        x, _ = residual(x, lambda h: (mlp(h), None), make_norm(cfg, "mlp_norm"), dropout, **kw)
+        return (x, weights) if return_weights else x
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention, feed-forward; each a residual sub-layer.
+
+    `[b, t, d]` -> `[b, t, d]`. With ``cross_attention=False`` (decoder-only models) the middle
+    sub-layer is absent. ``decode=True`` runs the self-attention from its key/value cache.
+    Returns ``{"self": [b, h, t, t], "cross": [b, h, t, s]}`` weights too when ``return_weights``.
+    """
+
+    config: TransformerConfig
+    cross_attention: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        x: Array,
+        encoded: Array | None,
+        self_mask: Array | None,
+        cross_mask: Array | None,
+        *,
+        positions: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        return_weights: bool = False,
+    ):
+        cfg = self.config
+        kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=deterministic)
+        dropout = nn.Dropout(cfg.dropout_rate)
+        self_attn = _attention(cfg, "self_attention")
+
+        def self_attention(h: Array):
+            out = self_attn(
+                h,
+                None,
+                self_mask,
+                positions_q=positions,
+                deterministic=deterministic,
+                decode=decode,
+                return_weights=return_weights,
+            )
+            return out if return_weights else (out, None)
+
+        x, self_weights = residual(
+            x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw
+        )
+        cross_weights = None
+        if self.cross_attention:
+            cross_attn = _attention(cfg, "cross_attention", cross=True)
+
+            def cross_attention(h: Array):
+                out = cross_attn(
+                    h,
+                    encoded,
+                    cross_mask,
+                    deterministic=deterministic,
+                    return_weights=return_weights,
+                )
+                return out if return_weights else (out, None)
+
+            x, cross_weights = residual(
+                x, cross_attention, make_norm(cfg, "cross_attention_norm"), dropout, **kw
+            )
+        mlp = _mlp(cfg)
+        x, _ = residual(x, lambda h: (mlp(h), None), make_norm(cfg, "mlp_norm"), dropout, **kw)
+        if return_weights:
+            return x, {"self": self_weights, "cross": cross_weights}
+        return x

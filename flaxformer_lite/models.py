@@ -1,0 +1,417 @@
+"""The three models, built from the same layers.
+
+  EncoderDecoder     translation: source tokens + target tokens -> target logits
+  DecoderOnly        language model: tokens -> next-token logits
+  EncoderClassifier  classification: tokens -> class logits (pooled encoder output)
+
+Token arrays are int `[batch, length]` with padding id ``config.pad_id`` (0). Targets are shifted
+right *inside* the models (BOS = ``config.bos_id`` first), as in the Flax wmt example: pass the
+targets themselves and compare the logits with them. ``decode`` methods take decoder inputs that
+are already shifted; decoding loops use those.
+
+Packed rows (several examples in one row) pass ``*_segmentation`` (1..n per example, 0 on padding)
+and ``*_positions`` (restarting at 0 in each example).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite import positions as pos_lib
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.layers import DecoderLayer, Embed, EncoderLayer, make_norm
+from flaxformer_lite.masks import causal_mask, combine_masks, padding_mask, segment_mask
+
+Array = jax.Array
+
+
+def check_tokens(name: str, tokens: Array, config: TransformerConfig) -> None:
+    """Fails on tokens that would otherwise broadcast or clamp silently."""
+    shape = getattr(tokens, "shape", None)
+    dtype = getattr(tokens, "dtype", None)
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"{name} must be int tokens [batch, length]; got shape {shape}")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"{name} must have an integer dtype (token ids); got {dtype}, shape {shape}"
+        )
+    if config.position in ("sinusoidal", "learned") and shape[1] > config.max_len:
+        raise ValueError(
+            f"{name} has length {shape[1]} > TransformerConfig.max_len={config.max_len} "
+            f"(position={config.position!r}); shape {shape}. Raise max_len or truncate the input."
+        )
+
+
+def shift_right(targets: Array, bos_id: int, positions: Array | None = None) -> Array:
+    """Decoder inputs: BOS then the targets shifted one step right.
+
+    With packing, every example in the row starts with BOS (where its position is 0).
+    targets `[batch, length]` -> `[batch, length]`.
+    """
+    shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
+    if positions is not None:
+        shifted = jnp.where(positions == 0, bos_id, shifted)
+    return shifted.astype(targets.dtype)
+
+
+def _default_positions(tokens: Array) -> Array:
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+
+class _Embedder(nn.Module):
+    """Token embedding (scaled by sqrt(d_model)) + absolute positions + dropout."""
+
+    config: TransformerConfig
+    embedding: Embed
+
+    @nn.compact
+    def __call__(self, tokens: Array, positions: Array, *, deterministic: bool) -> Array:
+        cfg = self.config
+        x = self.embedding(tokens)
+        if cfg.position == "sinusoidal":
+            x = pos_lib.add_sinusoidal(x, positions, cfg.max_len)
+        elif cfg.position == "learned":
+            x = pos_lib.LearnedPositions(
+                cfg.max_len, cfg.d_model, cfg.parameter_dtype, name="positions"
+            )(x, positions)
+        return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+
+
+class Encoder(nn.Module):
+    """Embedding + N encoder layers (+ final norm when pre-LN). `[b, s]` -> `[b, s, d_model]`."""
+
+    config: TransformerConfig
+    embedding: Embed
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs: Array,
+        *,
+        inputs_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        deterministic: bool = True,
+        return_weights: bool = False,
+    ):
+        cfg = self.config
+        positions = _default_positions(inputs) if inputs_positions is None else inputs_positions
+        x = _Embedder(cfg, self.embedding, name="embedder")(
+            inputs, positions, deterministic=deterministic
+        )
+        mask = padding_mask(inputs, inputs, cfg.pad_id)
+        if inputs_segmentation is not None:
+            mask = combine_masks(mask, segment_mask(inputs_segmentation, inputs_segmentation))
+        weights = []
+        for i in range(cfg.num_encoder_layers):
+            x = EncoderLayer(cfg, name=f"layers_{i}")(
+                x,
+                mask,
+                positions=positions,
+                deterministic=deterministic,
+                return_weights=return_weights,
+            )
+            if return_weights:
+                x, w = x
+                weights.append(w)
+        if cfg.norm_position == "pre":
+            x = make_norm(cfg, "final_norm")(x)
+        return (x, weights) if return_weights else x
+
+
+class Decoder(nn.Module):
+    """Embedding + N decoder layers + logits. Decoder inputs `[b, t]` -> logits `[b, t, vocab]`.
+
+    ``encoded`` `[b, s, d_model]` and ``inputs`` `[b, s]` (the source tokens, for the padding
+    mask) are None in a decoder-only model. Logits are float32.
+    """
+
+    config: TransformerConfig
+    embedding: Embed
+    cross_attention: bool = True
+
+    @nn.compact
+    def __call__(
+        self,
+        encoded: Array | None,
+        inputs: Array | None,
+        decoder_inputs: Array,
+        *,
+        decoder_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        targets_segmentation: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        return_weights: bool = False,
+    ):
+        cfg = self.config
+        if decode:
+            # The cache knows how many positions came before; packing does not apply here.
+            initialized = self.has_variable("cache", "position_index")
+            index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+            positions = jnp.broadcast_to(
+                index.value + jnp.arange(decoder_inputs.shape[1]), decoder_inputs.shape
+            )
+            if initialized:
+                index.value = index.value + decoder_inputs.shape[1]
+            self_mask = None  # each attention layer builds its causal mask over the cache
+        else:
+            positions = (
+                _default_positions(decoder_inputs)
+                if decoder_positions is None
+                else decoder_positions
+            )
+            # Causality alone keeps real positions from seeing padding: every key at or before
+            # a real target position is real.
+            self_mask = causal_mask(decoder_inputs.shape[1])
+            if targets_segmentation is not None:
+                self_mask = combine_masks(
+                    self_mask, segment_mask(targets_segmentation, targets_segmentation)
+                )
+        cross_mask = None
+        if self.cross_attention:
+            cross_mask = (inputs != cfg.pad_id)[:, None, None, :]
+            if targets_segmentation is not None and inputs_segmentation is not None:
+                cross_mask = combine_masks(
+                    cross_mask, segment_mask(targets_segmentation, inputs_segmentation)
+                )
+
+        x = _Embedder(cfg, self.embedding, name="embedder")(
+            decoder_inputs, positions, deterministic=deterministic
+        )
+        weights = []
+        for i in range(cfg.num_decoder_layers):
+            x = DecoderLayer(cfg, cross_attention=self.cross_attention, name=f"layers_{i}")(
+                x,
+                encoded,
+                self_mask,
+                cross_mask,
+                positions=positions,
+                deterministic=deterministic,
+                decode=decode,
+                return_weights=return_weights,
+            )
+            if return_weights:
+                x, w = x
+                weights.append(w)
+        if cfg.norm_position == "pre":
+            x = make_norm(cfg, "final_norm")(x)
+        if cfg.tie_output_embedding:
+            logits = self.embedding.attend(x)
+        else:
+            logits = nn.DenseGeneral(
+                cfg.output_vocab_size,
+                use_bias=False,
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.xavier_uniform(), ("embed", "vocab")
+                ),
+                dtype=cfg.compute_dtype,
+                param_dtype=cfg.parameter_dtype,
+                name="logits",
+            )(x)
+        logits = logits.astype(jnp.float32)
+        return (logits, weights) if return_weights else logits
+
+
+def _embedding(config: TransformerConfig, vocab_size: int, name: str) -> Embed:
+    return Embed(
+        vocab_size,
+        config.d_model,
+        dtype=config.compute_dtype,
+        param_dtype=config.parameter_dtype,
+        name=name,
+    )
+
+
+class EncoderDecoder(nn.Module):
+    """The paper's Transformer for translation.
+
+    ``model.apply(variables, inputs, targets, deterministic=True)``: inputs int `[batch, src_len]`,
+    targets int `[batch, tgt_len]` (pad 0, EOS-terminated, *not* shifted: shifting happens
+    inside) -> logits float32 `[batch, tgt_len, target_vocab]`, where logits[:, t] predicts
+    targets[:, t] from targets[:, :t]. ``encode`` and ``decode`` expose the two halves so that
+    decoding runs the encoder once.
+    """
+
+    config: TransformerConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        source = _embedding(cfg, cfg.vocab_size, "source_embedding")
+        target = (
+            source
+            if cfg.share_embeddings
+            else _embedding(cfg, cfg.output_vocab_size, "target_embedding")
+        )
+        self.encoder = Encoder(cfg, source)
+        self.decoder = Decoder(cfg, target)
+
+    def encode(
+        self,
+        inputs: Array,
+        *,
+        inputs_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        deterministic: bool = True,
+        return_weights: bool = False,
+    ):
+        """int `[batch, src_len]` -> `[batch, src_len, d_model]` (and per-layer weights)."""
+        check_tokens("inputs", inputs, self.config)
+        return self.encoder(
+            inputs,
+            inputs_positions=inputs_positions,
+            inputs_segmentation=inputs_segmentation,
+            deterministic=deterministic,
+            return_weights=return_weights,
+        )
+
+    def decode(
+        self,
+        encoded: Array,
+        inputs: Array,
+        decoder_inputs: Array,
+        *,
+        decoder_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        targets_segmentation: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        return_weights: bool = False,
+    ):
+        """Logits `[batch, tgt_len, vocab]` from *shifted* decoder inputs `[batch, tgt_len]`.
+
+        ``decode=True`` runs one or more new positions against the key/value cache.
+        """
+        check_tokens("decoder_inputs", decoder_inputs, self.config)
+        return self.decoder(
+            encoded,
+            inputs,
+            decoder_inputs,
+            decoder_positions=decoder_positions,
+            inputs_segmentation=inputs_segmentation,
+            targets_segmentation=targets_segmentation,
+            deterministic=deterministic,
+            decode=decode,
+            return_weights=return_weights,
+        )
+
+    def __call__(
+        self,
+        inputs: Array,
+        targets: Array,
+        *,
+        inputs_positions: Array | None = None,
+        targets_positions: Array | None = None,
+        inputs_segmentation: Array | None = None,
+        targets_segmentation: Array | None = None,
+        deterministic: bool = True,
+    ) -> Array:
+        check_tokens("targets", targets, self.config)
+        encoded = self.encode(
+            inputs,
+            inputs_positions=inputs_positions,
+            inputs_segmentation=inputs_segmentation,
+            deterministic=deterministic,
+        )
+        decoder_inputs = shift_right(targets, self.config.bos_id, targets_positions)
+        return self.decode(
+            encoded,
+            inputs,
+            decoder_inputs,
+            decoder_positions=targets_positions,
+            inputs_segmentation=inputs_segmentation,
+            targets_segmentation=targets_segmentation,
+            deterministic=deterministic,
+        )
+
+
+class DecoderOnly(nn.Module):
+    """A language model: the decoder stack without encoder-decoder attention.
+
+    ``model.apply(variables, tokens)``: int `[batch, length]` -> logits `[batch, length, vocab]`,
+    logits[:, t] predicting tokens[:, t] from BOS + tokens[:, :t] (shifted inside).
+    """
+
+    config: TransformerConfig
+
+    def setup(self) -> None:
+        self.decoder = Decoder(
+            self.config,
+            _embedding(self.config, self.config.vocab_size, "embedding"),
+            cross_attention=False,
+        )
+
+    def decode(
+        self,
+        decoder_inputs: Array,
+        *,
+        decoder_positions: Array | None = None,
+        segmentation: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        return_weights: bool = False,
+    ):
+        """Logits from *shifted* inputs `[batch, length]`; ``decode=True`` uses the cache."""
+        check_tokens("decoder_inputs", decoder_inputs, self.config)
+        return self.decoder(
+            None,
+            None,
+            decoder_inputs,
+            decoder_positions=decoder_positions,
+            targets_segmentation=segmentation,
+            deterministic=deterministic,
+            decode=decode,
+            return_weights=return_weights,
+        )
+
+    def __call__(
+        self,
+        tokens: Array,
+        *,
+        positions: Array | None = None,
+        segmentation: Array | None = None,
+        deterministic: bool = True,
+    ) -> Array:
+        check_tokens("tokens", tokens, self.config)
+        return self.decode(
+            shift_right(tokens, self.config.bos_id, positions),
+            decoder_positions=positions,
+            segmentation=segmentation,
+            deterministic=deterministic,
+        )
+
+
+class EncoderClassifier(nn.Module):
+    """Encoder, pooled, then a linear head: int `[batch, length]` -> logits `[batch, classes]`.
+
+    ``pooling="mean"`` averages the encoder output over real (non-pad) tokens; ``"first"`` takes
+    position 0 (put a classification token there).
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, inputs: Array, *, deterministic: bool = True) -> Array:
+        cfg = self.config
+        check_tokens("inputs", inputs, cfg)
+        encoded = Encoder(cfg, _embedding(cfg, cfg.vocab_size, "embedding"), name="encoder")(
+            inputs, deterministic=deterministic
+        )
+        if cfg.pooling == "first":
+            pooled = encoded[:, 0]
+        else:
+            real = (inputs != cfg.pad_id)[..., None].astype(encoded.dtype)
+            pooled = (encoded * real).sum(axis=1) / jnp.maximum(real.sum(axis=1), 1)
+        pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
+        logits = nn.Dense(
+            cfg.num_classes,
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.xavier_uniform(), ("embed", None)
+            ),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.parameter_dtype,
+            name="head",
+        )(pooled)
+        return logits.astype(jnp.float32)
