@@ -1,0 +1,552 @@
+"""Pure, jit-compatible autoregressive decoding over a single model callback (t5x style).
+
+Every search in this module talks to the model only through::
+
+    tokens_to_logits(tokens, cache) -> (logits, new_cache)
+
+``tokens``
+    int32 ``[batch, 1]``: the last token of every row (BOS, or a caller-given
+    ``initial_tokens``, on the first call).
+``cache``
+    an arbitrary pytree (typically a flax ``'cache'`` collection). Leaves with ``ndim > 0``
+    have the (decoding) batch as leading axis; 0-d leaves (e.g. a ``cache_index`` counter
+    shared by the whole batch) are passed through untouched: never tiled, never gathered.
+``logits``
+    float ``[batch, vocab]``: unnormalised scores of the next token.
+
+All functions use static Python ints for shapes (``batch_size``, ``max_len``, ``beam_size``,
+``top_k`` ...), a ``lax.while_loop`` over decoding steps and fixed-shape state, so they can be
+traced once under ``jax.jit`` and run on any backend.
+
+Output token arrays never contain the initial (BOS) token: position ``t`` holds the token
+generated at step ``t``. After a row (or beam) has emitted EOS, the remaining positions are
+PAD.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+PAD_ID = 0
+EOS_ID = 1
+BOS_ID = 2
+
+PyTree = Any
+TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
+
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "beam_search",
+    "expand_to_beams",
+    "flatten_beams",
+    "greedy_search",
+    "length_penalty",
+    "sample",
+    "unflatten_beams",
+]
+
+
+# ---------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------
+
+
+def _map_batched(fn: Callable[[jax.Array], jax.Array], tree: PyTree) -> PyTree:
+    """Applies ``fn`` to every leaf with ``ndim > 0``; 0-d leaves are returned unchanged.
+
+    0-d leaves (such as flax's ``cache_index``) are shared by all rows, so they have no batch
+    axis to tile or gather.
+    """
+    return jax.tree.map(lambda x: fn(x) if jnp.ndim(x) > 0 else x, tree)
+
+
+def _check_positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive Python int (>= 1), got {value!r}.")
+    return value
+
+
+def _float_dtype(logits: jax.Array) -> jnp.dtype:
+    """Working dtype for scores: at least float32 (bf16/fp16 logits lose too much precision
+    once they are accumulated over many steps), float64 kept when x64 is enabled."""
+    return jnp.promote_types(logits.dtype, jnp.float32)
+
+
+def _initial_tokens(initial_tokens: jax.Array | None, batch_size: int, bos_id: int) -> jax.Array:
+    """Returns int32 ``[batch_size]`` first inputs: ``initial_tokens`` or BOS."""
+    if initial_tokens is None:
+        return jnp.full((batch_size,), bos_id, dtype=jnp.int32)
+    initial_tokens = jnp.asarray(initial_tokens)
+    if initial_tokens.shape != (batch_size,):
+        raise ValueError(
+            f"initial_tokens must have shape [batch_size] = ({batch_size},), "
+            f"got {initial_tokens.shape}."
+        )
+    return initial_tokens.astype(jnp.int32)
+
+
+def length_penalty(length: jax.Array | int | float, alpha: float) -> jax.Array:
+    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (Wu et al., 2016).
+
+    Args:
+      length: number of generated tokens (EOS included, BOS excluded); any shape.
+      alpha: strength; 0 disables the penalty (returns 1).
+
+    Returns:
+      float32 array with the shape of ``length``. Beam scores are ``log_prob / penalty``.
+    """
+    length = jnp.asarray(length, dtype=jnp.float32)
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+# ---------------------------------------------------------------------------
+# Beam layout helpers (shared with the model-side glue)
+# ---------------------------------------------------------------------------
+
+
+def expand_to_beams(tree: PyTree, beam_size: int) -> PyTree:
+    """Tiles every batched leaf ``[batch, ...]`` to ``[batch * beam_size, ...]``.
+
+    Row ``b * beam_size + j`` is beam ``j`` of batch element ``b`` (all beams start as copies).
+    0-d leaves are returned unchanged. Use it for anything the model callback needs per beam,
+    e.g. encoder outputs and their padding mask.
+
+    Args:
+      tree: pytree of arrays ``[batch, ...]`` (and/or 0-d arrays).
+      beam_size: static number of beams.
+
+    Returns:
+      pytree with leaves ``[batch * beam_size, ...]`` (0-d leaves unchanged).
+    """
+    _check_positive_int("beam_size", beam_size)
+    return _map_batched(lambda x: jnp.repeat(x, beam_size, axis=0), tree)
+
+
+def flatten_beams(tree: PyTree) -> PyTree:
+    """Merges the two leading axes: ``[batch, beam, ...]`` -> ``[batch * beam, ...]``.
+
+    0-d leaves are returned unchanged (1-d leaves are not allowed: they have no beam axis).
+    """
+
+    def flat(x):
+        if x.ndim < 2:
+            raise ValueError(f"flatten_beams needs leaves [batch, beam, ...], got {x.shape}.")
+        return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+    return _map_batched(flat, tree)
+
+
+def unflatten_beams(tree: PyTree, beam_size: int) -> PyTree:
+    """Splits the leading axis: ``[batch * beam_size, ...]`` -> ``[batch, beam_size, ...]``.
+
+    0-d leaves are returned unchanged. Inverse of :func:`flatten_beams`.
+    """
+    _check_positive_int("beam_size", beam_size)
+
+    def unflat(x):
+        if x.shape[0] % beam_size:
+            raise ValueError(
+                f"leading axis {x.shape[0]} is not divisible by beam_size={beam_size}."
+            )
+        return x.reshape((x.shape[0] // beam_size, beam_size) + x.shape[1:])
+
+    return _map_batched(unflat, tree)
+
+
+# ---------------------------------------------------------------------------
+# Greedy search and sampling (one shared loop)
+# ---------------------------------------------------------------------------
+
+
+def _decode_loop(
+    tokens_to_logits: TokensToLogits,
+    cache: PyTree,
+    choose: Callable[[jax.Array, jax.Array], jax.Array],
+    *,
+    batch_size: int,
+    max_len: int,
+    eos_id: int,
+    pad_id: int,
+    bos_id: int,
+    initial_tokens: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Single-hypothesis decoding loop shared by greedy search and sampling.
+
+    ``choose(logits, step) -> int32 [batch]`` picks the next token from float logits
+    ``[batch, vocab]`` (already cast to the working dtype). Returns tokens
+    ``[batch, max_len]`` and the summed model log-probs ``[batch]``.
+    """
+    _check_positive_int("batch_size", batch_size)
+    _check_positive_int("max_len", max_len)
+    first = _initial_tokens(initial_tokens, batch_size, bos_id)
+
+    def cond(state):
+        step, _, _, _, finished, _ = state
+        # Stop early once every row has emitted EOS: further steps would only append PAD.
+        return (step < max_len) & ~jnp.all(finished)
+
+    def body(state):
+        step, last, tokens, log_probs, finished, cache = state
+        logits, new_cache = tokens_to_logits(last[:, None], cache)
+        logits = logits.astype(_float_dtype(logits))
+        # Scores are reported under the model's own distribution (no temperature / filtering),
+        # so every decoding method is scored on the same scale.
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nxt = choose(logits, step).astype(jnp.int32)
+        nxt = jnp.where(finished, pad_id, nxt)
+        tok_logp = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
+        log_probs = log_probs + jnp.where(finished, 0.0, tok_logp).astype(log_probs.dtype)
+        tokens = lax.dynamic_update_slice(tokens, nxt[:, None], (0, step))
+        finished = finished | (nxt == eos_id)
+        return step + 1, nxt, tokens, log_probs, finished, new_cache
+
+    state = (
+        jnp.array(0, jnp.int32),
+        first,
+        jnp.full((batch_size, max_len), pad_id, dtype=jnp.int32),
+        jnp.zeros((batch_size,), jnp.float32),
+        jnp.zeros((batch_size,), bool),
+        cache,
+    )
+    _, _, tokens, log_probs, _, _ = lax.while_loop(cond, body, state)
+    return tokens, log_probs
+
+
+def greedy_search(
+    tokens_to_logits: TokensToLogits,
+    cache: PyTree,
+    *,
+    batch_size: int,
+    max_len: int,
+    eos_id: int = EOS_ID,
+    initial_tokens: jax.Array | None = None,
+    pad_id: int = PAD_ID,
+    bos_id: int = BOS_ID,
+) -> tuple[jax.Array, jax.Array]:
+    """Greedy (argmax) decoding.
+
+    Args:
+      tokens_to_logits: model callback, see the module docstring.
+      cache: initial cache pytree, batched leaves ``[batch_size, ...]``.
+      batch_size: static batch size.
+      max_len: static number of tokens to generate (BOS not counted).
+      eos_id: end-of-sequence id; a row that emitted it emits ``pad_id`` afterwards.
+      initial_tokens: optional int32 ``[batch_size]`` first inputs (default: ``bos_id``).
+      pad_id: id written after EOS.
+      bos_id: default first input.
+
+    Returns:
+      ``(tokens, log_probs)``: int32 ``[batch_size, max_len]`` generated tokens (EOS
+      included, PAD after it) and float32 ``[batch_size]`` sum of the log-probs of the
+      generated tokens up to and including EOS. The loop stops as soon as every row is done.
+    """
+    return _decode_loop(
+        tokens_to_logits,
+        cache,
+        lambda logits, step: jnp.argmax(logits, axis=-1),
+        batch_size=batch_size,
+        max_len=max_len,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        bos_id=bos_id,
+        initial_tokens=initial_tokens,
+    )
+
+
+def _scatter_mask(shape, rows_index: jax.Array, values: jax.Array) -> jax.Array:
+    """Boolean ``[batch, vocab]`` mask with ``values`` ([batch, n], bool) written at
+    ``rows_index`` ([batch, n] vocabulary ids)."""
+    rows = jnp.arange(shape[0])[:, None]
+    return jnp.zeros(shape, bool).at[rows, rows_index].set(values)
+
+
+def _filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Top-k then nucleus (top-p) filtering of float logits ``[batch, vocab]``.
+
+    Excluded entries are set to the dtype's most negative finite value rather than -inf, so
+    that a row can never end up with only -inf (which would give NaN probabilities).
+    Exactly ``top_k`` tokens are kept (ties broken by lower id, as ``argmax`` does), and the
+    nucleus keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p``
+    (at least one token), so ``top_k=1`` and a tiny ``top_p`` both reduce to argmax.
+    """
+    neg = jnp.finfo(logits.dtype).min
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        _, idx = lax.top_k(logits, top_k)
+        keep = _scatter_mask(logits.shape, idx, jnp.ones(idx.shape, bool))
+        logits = jnp.where(keep, logits, neg)
+    if top_p < 1.0:
+        # Stable descending sort: equal logits keep ascending ids, consistent with argmax.
+        order = jnp.argsort(-logits, axis=-1, stable=True)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Mass strictly before each token: keep it while that mass is still below top_p, so the
+        # first token (mass 0) is always kept.
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = _scatter_mask(logits.shape, order, mass_before < top_p)
+        logits = jnp.where(keep, logits, neg)
+    return logits
+
+
+def sample(
+    tokens_to_logits: TokensToLogits,
+    cache: PyTree,
+    rng: jax.Array,
+    *,
+    batch_size: int,
+    max_len: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int = EOS_ID,
+    initial_tokens: jax.Array | None = None,
+    pad_id: int = PAD_ID,
+    bos_id: int = BOS_ID,
+) -> tuple[jax.Array, jax.Array]:
+    """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering.
+
+    At step ``t`` the key ``jax.random.fold_in(rng, t)`` is used, so results depend only on
+    ``rng`` (same key -> same tokens). Logits are divided by ``temperature``, then restricted
+    to the ``top_k`` most likely tokens (``0`` = off), then to the nucleus of mass ``top_p``
+    (``1.0`` = off). ``temperature == 0`` is exactly greedy (argmax, no randomness).
+
+    Args:
+      tokens_to_logits: model callback, see the module docstring.
+      cache: initial cache pytree, batched leaves ``[batch_size, ...]``.
+      rng: PRNG key (raw ``uint32[2]`` or typed key).
+      batch_size: static batch size.
+      max_len: static number of tokens to generate (BOS not counted).
+      temperature: static float ``>= 0``.
+      top_k: static int ``>= 0``; 0 disables (values ``>= vocab`` too).
+      top_p: static float in ``(0, 1]``; 1 disables.
+      eos_id: end-of-sequence id; a row that emitted it emits ``pad_id`` afterwards.
+      initial_tokens: optional int32 ``[batch_size]`` first inputs (default: ``bos_id``).
+      pad_id: id written after EOS.
+      bos_id: default first input.
+
+    Returns:
+      ``(tokens, log_probs)``: int32 ``[batch_size, max_len]`` and float32 ``[batch_size]``
+      sum of the log-probs of the sampled tokens under the *unmodified* model distribution
+      (no temperature or filtering), up to and including EOS.
+
+    Raises:
+      ValueError: ``temperature < 0``, ``top_k < 0`` or ``top_p`` outside ``(0, 1]``.
+    """
+    # The arguments are static: validating them here (in Python) gives clear errors at trace
+    # time instead of silent NaNs.
+    temperature = float(temperature)
+    top_p = float(top_p)
+    if not temperature >= 0.0:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}.")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in the range (0, 1] (1 disables it), got {top_p}.")
+
+    def choose(logits, step):
+        if temperature == 0.0:
+            return jnp.argmax(logits, axis=-1)
+        # Clamp: masked logits (finfo.min) divided by a small temperature would overflow to
+        # -inf, and an all -inf row has no distribution.
+        scaled = jnp.maximum(logits / temperature, jnp.finfo(logits.dtype).min)
+        logits = _filter_logits(scaled, top_k, top_p)
+        return jax.random.categorical(jax.random.fold_in(rng, step), logits, axis=-1)
+
+    return _decode_loop(
+        tokens_to_logits,
+        cache,
+        choose,
+        batch_size=batch_size,
+        max_len=max_len,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        bos_id=bos_id,
+        initial_tokens=initial_tokens,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Beam search
+# ---------------------------------------------------------------------------
+
+
+def _tile_cache(cache: PyTree, batch_size: int, beam_size: int) -> PyTree:
+    """Brings batched cache leaves to the flat ``[batch * beam, ...]`` layout.
+
+    Leaves with leading axis ``batch_size`` are tiled; leaves already at
+    ``batch_size * beam_size`` (e.g. tiled by the caller with :func:`expand_to_beams`) are kept.
+    For ``beam_size > 1`` the two sizes differ, so the choice is unambiguous; for
+    ``beam_size == 1`` both are the same and nothing needs doing.
+    """
+
+    def tile(x):
+        if x.shape[0] == batch_size * beam_size:
+            return x
+        if x.shape[0] == batch_size:
+            return jnp.repeat(x, beam_size, axis=0)
+        raise ValueError(
+            f"cache leaf with shape {x.shape}: leading axis must be batch_size={batch_size} "
+            f"or batch_size * beam_size={batch_size * beam_size}."
+        )
+
+    return _map_batched(tile, cache)
+
+
+def _gather_beams(x: jax.Array, parent: jax.Array) -> jax.Array:
+    """``x[b, parent[b, j]]`` for ``x`` ``[batch, beam_in, ...]``, ``parent`` ``[batch, n]``."""
+    idx = parent.reshape(parent.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+def beam_search(
+    tokens_to_logits: TokensToLogits,
+    cache: PyTree,
+    *,
+    batch_size: int,
+    beam_size: int,
+    max_len: int,
+    alpha: float = 0.6,
+    eos_id: int = EOS_ID,
+    initial_tokens: jax.Array | None = None,
+    pad_id: int = PAD_ID,
+    bos_id: int = BOS_ID,
+) -> tuple[jax.Array, jax.Array]:
+    """Beam search with GNMT length penalty; live and finished hypotheses kept apart.
+
+    The callback is called with ``batch_size * beam_size`` rows (row ``b * beam_size + j`` is
+    beam ``j`` of batch element ``b``). Cache leaves with ``ndim > 0`` are tiled to that layout
+    once (leaves already of size ``batch_size * beam_size``, e.g. made with
+    :func:`expand_to_beams`, are kept as they are) and, after every step, gathered along the
+    leading axis by the parent beam each surviving hypothesis came from. 0-d leaves are never
+    tiled or gathered.
+
+    Each step scores all ``beam * vocab`` one-token extensions of the live beams and keeps the
+    best ``2 * beam`` of them, enough for ``beam`` live ones to survive even if ``beam`` of the
+    candidates end with EOS. A candidate is *finished* when its token is EOS (included in the
+    sequence) or when it reaches ``max_len`` tokens (truncated); its score is
+    ``log_prob / length_penalty(length, alpha)``, ``length`` counting EOS. The best ``beam``
+    finished hypotheses and the best ``beam`` unfinished ones are kept. The loop stops at
+    ``max_len`` or as soon as, for every batch element, no live beam can still beat the worst
+    finished one (exact bound: log-probs only decrease, so a live beam's best reachable score
+    is ``log_prob / max(penalty)`` over the lengths still reachable).
+
+    Args:
+      tokens_to_logits: model callback, see the module docstring.
+      cache: initial cache pytree, batched leaves ``[batch_size, ...]`` or
+        ``[batch_size * beam_size, ...]``.
+      batch_size: static batch size.
+      beam_size: static number of beams (and of returned hypotheses) per batch element.
+      max_len: static maximum number of generated tokens (BOS not counted).
+      alpha: length-penalty exponent (0 = plain log-probability).
+      eos_id: end-of-sequence id.
+      initial_tokens: optional int32 ``[batch_size]`` first inputs (default: ``bos_id``).
+      pad_id: id written after EOS / unused positions.
+      bos_id: default first input.
+
+    Returns:
+      ``(sequences, scores)``: int32 ``[batch_size, beam_size, max_len]`` and float32
+      ``[batch_size, beam_size]``, best first. Slots for which fewer than ``beam_size``
+      hypotheses with finite log-probability exist have score ``-inf``. If a batch element has
+      no finished hypothesis at all, its live beams are returned, scored at their length.
+    """
+    _check_positive_int("batch_size", batch_size)
+    _check_positive_int("beam_size", beam_size)
+    _check_positive_int("max_len", max_len)
+    first = _initial_tokens(initial_tokens, batch_size, bos_id)
+    k = beam_size
+    neg_inf = jnp.array(-jnp.inf, jnp.float32)
+    # Penalty grows with length when alpha > 0 (shrinks when alpha < 0); the best score a
+    # (non-positive) log-prob can reach is obtained with the largest penalty reachable.
+    max_len_penalty = length_penalty(max_len, alpha)
+
+    def cond(state):
+        step = state["step"]
+        # Best reachable score of any live beam (sorted, so beam 0 is the best).
+        next_len_penalty = length_penalty(step + 1, alpha)
+        best_live = state["live_logp"][:, 0] / jnp.maximum(next_len_penalty, max_len_penalty)
+        # Until `k` hypotheses have finished, live beams can still fill the empty slots.
+        worst_finished = jnp.where(
+            jnp.all(state["fin_flags"], axis=1), state["fin_scores"][:, -1], neg_inf
+        )
+        can_improve = jnp.any(best_live > worst_finished)
+        return (step < max_len) & can_improve
+
+    def body(state):
+        step = state["step"]
+        length = step + 1  # tokens generated once this step's token is appended
+        logits, new_cache = tokens_to_logits(state["live_tok"].reshape(-1, 1), state["cache"])
+        logits = logits.astype(_float_dtype(logits))
+        vocab = logits.shape[-1]
+        logp = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
+        cand = state["live_logp"][:, :, None] + logp.reshape(batch_size, k, vocab)
+        cand = cand.reshape(batch_size, k * vocab)
+
+        # Top 2k candidates: at most k of them can be finished ones that push live ones out.
+        n_cand = min(2 * k, k * vocab)
+        top_logp, top_idx = lax.top_k(cand, n_cand)  # [batch, n_cand], sorted
+        top_parent = top_idx // vocab
+        top_tok = (top_idx % vocab).astype(jnp.int32)
+        top_seqs = _gather_beams(state["live_seqs"], top_parent)  # [batch, n_cand, max_len]
+        top_seqs = lax.dynamic_update_slice(top_seqs, top_tok[:, :, None], (0, 0, step))
+        ended = (top_tok == eos_id) | (length >= max_len)
+        # -inf candidates come from padding beams (e.g. beams 1.. at step 0) or impossible
+        # tokens; they must never count as hypotheses.
+        valid = top_logp > neg_inf
+
+        # Live pool: best k non-ended candidates (top_k keeps them sorted).
+        live_logp, live_pos = lax.top_k(jnp.where(ended, neg_inf, top_logp), k)
+        live_seqs = _gather_beams(top_seqs, live_pos)
+        live_tok = jnp.take_along_axis(top_tok, live_pos, axis=1)
+        parent = jnp.take_along_axis(top_parent, live_pos, axis=1)  # [batch, k] in [0, k)
+        flat_parent = (jnp.arange(batch_size)[:, None] * k + parent).reshape(-1)
+        new_cache = _map_batched(lambda x: jnp.take(x, flat_parent, axis=0), new_cache)
+
+        # Finished pool: merge the kept finished hypotheses with the newly ended ones.
+        new_fin = ended & valid
+        new_scores = jnp.where(new_fin, top_logp / length_penalty(length, alpha), neg_inf)
+        all_scores = jnp.concatenate([state["fin_scores"], new_scores], axis=1)
+        all_flags = jnp.concatenate([state["fin_flags"], new_fin], axis=1)
+        all_seqs = jnp.concatenate([state["fin_seqs"], top_seqs], axis=1)
+        # Empty slots score -inf, so any real hypothesis outranks them; ties keep the older.
+        fin_scores, fin_pos = lax.top_k(all_scores, k)
+        return {
+            "step": step + 1,
+            "live_tok": live_tok,
+            "live_seqs": live_seqs,
+            "live_logp": live_logp,
+            "fin_seqs": _gather_beams(all_seqs, fin_pos),
+            "fin_scores": fin_scores,
+            "fin_flags": jnp.take_along_axis(all_flags, fin_pos, axis=1),
+            "cache": new_cache,
+        }
+
+    state = {
+        "step": jnp.array(0, jnp.int32),
+        "live_tok": jnp.repeat(first[:, None], k, axis=1),
+        "live_seqs": jnp.full((batch_size, k, max_len), pad_id, jnp.int32),
+        # Only beam 0 is real at the start; the copies get -inf so the first step does not
+        # produce k identical hypotheses.
+        "live_logp": jnp.tile(
+            jnp.array([0.0] + [-jnp.inf] * (k - 1), jnp.float32)[None], (batch_size, 1)
+        ),
+        "fin_seqs": jnp.full((batch_size, k, max_len), pad_id, jnp.int32),
+        "fin_scores": jnp.full((batch_size, k), -jnp.inf, jnp.float32),
+        "fin_flags": jnp.zeros((batch_size, k), bool),
+        "cache": _tile_cache(cache, batch_size, k),
+    }
+    state = lax.while_loop(cond, body, state)
+
+    # Hypotheses reaching max_len are finished by construction, so this fallback only triggers
+    # when nothing with a finite score ever ended (e.g. EOS impossible and max_len unreached).
+    none_finished = ~jnp.any(state["fin_flags"], axis=1)
+    live_scores = state["live_logp"] / length_penalty(state["step"], alpha)
+    sequences = jnp.where(none_finished[:, None, None], state["live_seqs"], state["fin_seqs"])
+    scores = jnp.where(none_finished[:, None], live_scores, state["fin_scores"])
+    return sequences, scores

@@ -1,0 +1,176 @@
+"""Batch inference: one jitted call from token ids to generated token ids.
+
+``generate`` binds a model to the pure searches of ``decoding``: the encoder runs once per
+batch, the decoder runs one position per step against its key/value cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite import decoding
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.models import DecoderOnly, EncoderDecoder
+
+METHODS = ("greedy", "beam", "sample")
+
+
+def init_cache(model: Any, batch_size: int, max_len: int, src_len: int | None = None) -> Any:
+    """A zero key/value cache for ``batch_size`` rows and ``max_len`` decoder positions.
+
+    Only shapes are traced (``jax.eval_shape``): no parameters are initialised.
+    """
+    tokens = jnp.zeros((batch_size, max_len), jnp.int32)
+    if isinstance(model, EncoderDecoder):
+        src = jnp.ones((batch_size, src_len or 1), jnp.int32)
+
+        def init(rng):
+            return model.init(
+                rng, src, tokens, decode=True,
+                method=lambda m, x, y, decode: m.decode(m.encode(x), x, y, decode=decode),
+            )
+    else:
+
+        def init(rng):
+            return model.init(rng, tokens, decode=True, method=model.decode)
+
+    shapes = jax.eval_shape(init, jax.random.key(0))["cache"]
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _search(method, tokens_to_logits, cache, batch_size, max_len, *, beam_size, alpha,
+            temperature, top_k, top_p, rng, initial_tokens):
+    if method == "greedy":
+        return decoding.greedy_search(
+            tokens_to_logits, cache, batch_size=batch_size, max_len=max_len,
+            initial_tokens=initial_tokens,
+        )
+    if method == "sample":
+        if rng is None:
+            raise ValueError("method='sample' needs an explicit rng (a jax.random key)")
+        return decoding.sample(
+            tokens_to_logits, cache, rng, batch_size=batch_size, max_len=max_len,
+            temperature=temperature, top_k=top_k, top_p=top_p, initial_tokens=initial_tokens,
+        )
+    sequences, scores = decoding.beam_search(
+        tokens_to_logits, cache, batch_size=batch_size, beam_size=beam_size, max_len=max_len,
+        alpha=alpha, initial_tokens=initial_tokens,
+    )
+    return sequences[:, 0], scores[:, 0]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "method", "max_len", "beam_size", "alpha", "temperature",
+                     "top_k", "top_p"),
+)
+def generate(
+    params: Any,
+    config: TransformerConfig,
+    inputs: jax.Array,
+    *,
+    method: str = "greedy",
+    max_len: int = 64,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    rng: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Translates a batch of source token ids with an ``EncoderDecoder``.
+
+    Args:
+      params: the model parameters (``variables["params"]``, boxed or not).
+      config: the model's TransformerConfig.
+      inputs: int `[batch, src_len]`, padded with 0; rows may have different lengths.
+      method: "greedy", "beam" (beam search, GNMT length penalty ``alpha``) or "sample"
+        (temperature, top-k, top-p; needs ``rng``).
+      max_len: tokens to generate at most (EOS included).
+
+    Returns:
+      tokens int32 `[batch, max_len]` (EOS-terminated, PAD after EOS, no BOS) and scores
+      float32 `[batch]` (log-probability; length-normalised for beam search).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    model = EncoderDecoder(config)
+    variables = {"params": params}
+    batch_size = inputs.shape[0]
+    encoded = model.apply(variables, inputs, method=model.encode)
+    cache = init_cache(model, batch_size, max_len, inputs.shape[1])
+    if method == "beam":
+        # The encoder output is read, never updated: expand it once instead of gathering it
+        # with the cache at every step.
+        encoded, inputs = (
+            decoding.flatten_beams(decoding.expand_to_beams(x, beam_size))
+            for x in (encoded, inputs)
+        )
+
+    def tokens_to_logits(tokens, cache):
+        logits, updated = model.apply(
+            {**variables, "cache": cache}, encoded, inputs, tokens, decode=True,
+            mutable=["cache"], method=model.decode,
+        )
+        return logits[:, -1], updated["cache"]
+
+    return _search(
+        method, tokens_to_logits, cache, batch_size, max_len, beam_size=beam_size, alpha=alpha,
+        temperature=temperature, top_k=top_k, top_p=top_p, rng=rng, initial_tokens=None,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "method", "max_len", "beam_size", "alpha", "temperature",
+                     "top_k", "top_p"),
+)
+def continue_prompt(
+    params: Any,
+    config: TransformerConfig,
+    prompt: jax.Array,
+    *,
+    method: str = "greedy",
+    max_len: int = 64,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    rng: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Continues prompts with a ``DecoderOnly`` language model.
+
+    prompt: int `[batch, prompt_len]` without padding (BOS is prepended here). The prompt is
+    written into the cache in one call (prefill); then up to ``max_len`` tokens are generated.
+    Returns the continuation `[batch, max_len]` and scores `[batch]`.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    model = DecoderOnly(config)
+    batch_size, prompt_len = prompt.shape
+    bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
+    context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
+    cache = init_cache(model, batch_size, prompt_len + 1 + max_len)
+    variables = {"params": params}
+    _, updated = model.apply(
+        {**variables, "cache": cache}, context[:, :-1], decode=True, mutable=["cache"],
+        method=model.decode,
+    )
+
+    def tokens_to_logits(tokens, cache):
+        logits, new = model.apply(
+            {**variables, "cache": cache}, tokens, decode=True, mutable=["cache"],
+            method=model.decode,
+        )
+        return logits[:, -1], new["cache"]
+
+    return _search(
+        method, tokens_to_logits, updated["cache"], batch_size, max_len, beam_size=beam_size,
+        alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
+        initial_tokens=context[:, -1],
+    )

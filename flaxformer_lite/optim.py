@@ -1,0 +1,73 @@
+"""Learning-rate schedules and the optimizer, built from Optax parts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("noam", "cosine", "constant")
+OPTIMIZERS = ("adam", "adamw")
+
+
+def noam_schedule(d_model: int, warmup_steps: int = 4000, scale: float = 1.0) -> optax.Schedule:
+    """The paper's schedule, lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+
+    ``step`` counts optimizer updates from 1 (optax passes count 0 for the first update).
+    """
+    if warmup_steps <= 0:
+        raise ValueError(f"warmup_steps must be positive; got {warmup_steps}")
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32) + 1.0
+        return scale * d_model**-0.5 * jnp.minimum(step**-0.5, step * warmup_steps**-1.5)
+
+    return schedule
+
+
+def make_schedule(
+    name: str,
+    *,
+    learning_rate: float,
+    warmup_steps: int,
+    total_steps: int,
+    d_model: int,
+) -> optax.Schedule:
+    """"noam" (learning_rate is the multiplier of the paper's formula), "cosine" (linear warmup
+    to learning_rate, cosine decay to 0 at total_steps) or "constant" (linear warmup)."""
+    if name == "noam":
+        return noam_schedule(d_model, warmup_steps, learning_rate)
+    if name == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1)
+        )
+    if name == "constant":
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, learning_rate, warmup_steps),
+             optax.constant_schedule(learning_rate)],
+            [warmup_steps],
+        )
+    raise ValueError(f"schedule must be one of {SCHEDULES}; got {name!r}")
+
+
+def make_optimizer(
+    name: str,
+    schedule: optax.Schedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.98,
+    eps: float = 1e-9,
+    weight_decay: float = 0.0,
+    grad_clip_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """Adam with the paper's betas and epsilon (or AdamW), after optional global-norm clipping."""
+    if name == "adam":
+        opt: Any = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
+    elif name == "adamw":
+        opt = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {name!r}")
+    if grad_clip_norm:
+        opt = optax.chain(optax.clip_by_global_norm(grad_clip_norm), opt)
+    return opt

@@ -1,0 +1,102 @@
+"""One device mesh, logical axis rules, and sharded initialisation.
+
+The mesh has three axes: "data" (batch split, parameters replicated), "fsdp" (batch split and
+parameters sharded over their "embed" axis, gathered per layer by XLA) and "tensor" (heads, MLP
+hidden units and vocabulary split: Megatron-style tensor parallelism). Layers name their
+parameter axes ("embed", "heads", "kv", "mlp", "vocab"); ``LOGICAL_RULES`` maps those names to
+mesh axes, so changing the parallelism never touches a layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("kv", None),
+    ("length", None),
+)
+
+
+def mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+    """Resolves one -1 entry to fill the devices; checks the product equals ``num_devices``."""
+    shape = [int(s) for s in shape]
+    if len(shape) != len(MESH_AXES):
+        raise ValueError(f"mesh_shape must have {len(MESH_AXES)} entries {MESH_AXES}; got {shape}")
+    if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+        raise ValueError(f"mesh_shape entries must be positive, with at most one -1; got {shape}")
+    known = int(np.prod([s for s in shape if s != -1]))
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(f"mesh_shape {shape} cannot fill {num_devices} devices")
+        shape[shape.index(-1)] = num_devices // known
+    if int(np.prod(shape)) != num_devices:
+        raise ValueError(
+            f"mesh_shape {shape} uses {int(np.prod(shape))} devices but {num_devices} are present"
+        )
+    return tuple(shape)
+
+
+def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[Any] | None = None) -> Mesh:
+    """A Mesh with axes ("data", "fsdp", "tensor") over all devices (or the given ones)."""
+    devices = jax.devices() if devices is None else list(devices)
+    resolved = mesh_shape(shape, len(devices))
+    try:
+        grid = mesh_utils.create_device_mesh(resolved, devices=devices)
+    except Exception:  # noqa: BLE001 - CPU and odd topologies: a plain reshape is fine
+        grid = np.asarray(devices).reshape(resolved)
+    return Mesh(grid, MESH_AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis split over the data and fsdp axes; the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+def logical_shardings(abstract_tree: Any, mesh: Mesh, rules=LOGICAL_RULES) -> Any:
+    """NamedShardings for a tree whose leaves may be ``nn.LogicallyPartitioned`` boxes.
+
+    Unboxed leaves (step counters, RNG keys, optimizer counts) are replicated.
+    """
+    specs = nn.get_partition_spec(abstract_tree)
+    return nn.logical_to_mesh_sharding(specs, mesh, list(rules))
+
+
+def sharded_init(
+    init_fn: Callable[[], Any], mesh: Mesh, rules=LOGICAL_RULES
+) -> tuple[Any, Any]:
+    """Runs ``init_fn`` (which returns a tree of boxed parameters/state) directly into shards.
+
+    The tree is traced with ``jax.eval_shape`` (no memory), its logical names turned into
+    NamedShardings, and a jitted init with those ``out_shardings`` materialises each shard on
+    its own device: a model larger than one device never exists whole anywhere.
+
+    Returns:
+      (unboxed state, its shardings tree).
+    """
+    abstract = jax.eval_shape(init_fn)
+    shardings = logical_shardings(abstract, mesh, rules)
+    with mesh:
+        state = jax.jit(lambda: nn.meta.unbox(init_fn()), out_shardings=shardings)()
+    return state, shardings
+
+
+def host_local_to_global(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Each process passes its rows of the global batch; returns global sharded arrays."""
+    sharding = batch_sharding(mesh)
+    return {
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()
+    }

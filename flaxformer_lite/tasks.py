@@ -1,0 +1,224 @@
+"""What each kind of run feeds the train loop: data streams, eval sets and vocabularies.
+
+``build_task`` turns a training config into a ``Task``: the endless training stream, fixed
+evaluation batches, the vocabulary sizes the model needs, and what to decode for exact-match or
+BLEU. Four kinds, chosen by ``config.task``:
+
+  "synthetic"       generated seq2seq problems (the embedded default; no download)
+  "translation"     parallel text from the hub or local files (Multi30k, WMT14)
+  "lm"              a plain-text file for a decoder-only language model (Tiny Shakespeare)
+  "classification"  labelled sentences in TSV for the encoder classifier (SST-2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from flaxformer_lite import data as data_lib
+from flaxformer_lite import synthetic
+from flaxformer_lite.tokenizer import Tokenizer, load_or_train
+
+TASKS = ("synthetic", "translation", "lm", "classification")
+
+
+@dataclasses.dataclass
+class Task:
+    """Attributes:
+    kind: one of TASKS.
+    train: stream with ``next() -> batch`` (this process's rows), ``state()``, ``restore()``.
+    eval_batches: global evaluation batches (fixed shapes); padding rows carry no weight.
+    vocab_size: source (or only) vocabulary; target_vocab_size: target vocabulary if separate.
+    max_len: longest sequence the model must encode.
+    decode_inputs / decode_references: for seq2seq, source batches `[rows, len]` to decode and
+      what to compare against (token arrays for exact match, strings for BLEU).
+    detokenize: ids -> string of the target side (None for classification).
+    log_lines: what the data pipeline counted, printed at start.
+    """
+
+    kind: str
+    train: Any
+    eval_batches: list[dict[str, np.ndarray]]
+    vocab_size: int
+    target_vocab_size: int | None
+    max_len: int
+    decode_inputs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    decode_references: list[Any] = dataclasses.field(default_factory=list)
+    detokenize: Any = None
+    source_detokenize: Any = None
+    metric: str = "exact_match"
+    log_lines: list[str] = dataclasses.field(default_factory=list)
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _synthetic(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
+    s = config.synthetic
+    gen = synthetic.SyntheticTask(
+        s.name, min_len=s.min_len, max_len=s.max_len, num_symbols=s.num_symbols
+    )
+    held_out = gen.eval_batch(s.num_eval, seed=config.seed)
+    stream = synthetic.SyntheticStream(
+        gen, batch_size=config.batch_size, seed=config.seed, exclude=held_out["inputs"],
+        process_index=process_index, process_count=process_count,
+    )
+    with open(os.path.join(workdir, "vocab.json"), "w") as f:
+        json.dump({"task": s.name, "symbols": gen.vocab.symbols}, f)
+    rows = config.batch_size
+    evals = []
+    for sl in _chunks(s.num_eval, rows):
+        batch = {k: np.zeros((rows, v.shape[1]), np.int32) for k, v in held_out.items()}
+        for k, v in held_out.items():
+            batch[k][: sl.stop - sl.start] = v[sl]
+        evals.append(batch)
+    return Task(
+        kind="synthetic",
+        train=stream,
+        eval_batches=evals,
+        vocab_size=gen.vocab.vocab_size,
+        target_vocab_size=None,
+        max_len=max(gen.input_len, gen.target_len),
+        decode_inputs=[b["inputs"] for b in evals],
+        decode_references=[b["targets"] for b in evals],
+        detokenize=gen.vocab.decode,
+        source_detokenize=gen.vocab.decode,
+        metric="exact_match",
+        log_lines=[
+            f"synthetic task {s.name!r}: lengths {s.min_len}-{s.max_len}, "
+            f"{s.num_symbols} symbols, {s.num_eval} held-out examples"
+        ],
+    )
+
+
+def _translation(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
+    d = data_lib.build_translation_data(
+        config, workdir, process_index=process_index, process_count=process_count
+    )
+    inputs, refs = [], []
+    for batch in d.eval_batches:
+        idx = batch["index"]
+        inputs.append(batch["inputs"])
+        refs.append([d.eval_pairs[i][1] if i >= 0 else None for i in idx])
+    shared = d.src_tokenizer is d.tgt_tokenizer
+    return Task(
+        kind="translation",
+        train=d.train,
+        eval_batches=[{k: v for k, v in b.items() if k != "index"} for b in d.eval_batches],
+        vocab_size=d.src_tokenizer.vocab_size,
+        target_vocab_size=None if shared else d.tgt_tokenizer.vocab_size,
+        max_len=config.max_len,
+        decode_inputs=inputs,
+        decode_references=refs,
+        detokenize=d.tgt_tokenizer.decode,
+        source_detokenize=d.src_tokenizer.decode,
+        metric="bleu",
+        log_lines=[
+            f"train: {d.stats.summary()}",
+            f"eval: {d.eval_stats.summary()}",
+            f"vocabulary: {d.src_tokenizer.vocab_size} ({'shared' if shared else 'source'}), "
+            f"buckets {d.boundaries}, padding share of target positions "
+            f"{100 * d.padding_fraction:.1f}%",
+        ],
+    )
+
+
+def _lm(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
+    stats = data_lib.DataStats()
+    lines = data_lib.load_text(config.data_file, stats)
+    split = int(len(lines) * (1 - config.eval_fraction))
+    train_lines, eval_lines = lines[:split], lines[split:]
+    tokenizer = load_or_train(
+        os.path.join(workdir, "spm_lm.model"), lambda: iter(train_lines), config.vocab_size,
+        model_type=config.spm_model_type, seed=config.seed,
+    )
+    train_tokens = data_lib.lm_token_stream(train_lines, tokenizer)
+    eval_tokens = data_lib.lm_token_stream(eval_lines, tokenizer)
+    seq_len, rows = config.max_len, config.batch_size
+
+    def make_batches(epoch: int) -> list[dict[str, np.ndarray]]:
+        return data_lib.lm_batches(train_tokens, seq_len=seq_len, batch_size=rows,
+                                   seed=config.seed, epoch=epoch)
+
+    stream = data_lib.BatchStream(make_batches, process_index=process_index,
+                                  process_count=process_count)
+    evals = data_lib.lm_batches(eval_tokens, seq_len=seq_len, batch_size=rows, seed=0, epoch=0)
+    return Task(
+        kind="lm",
+        train=stream,
+        eval_batches=evals[: config.eval_batches] if config.eval_batches else evals,
+        vocab_size=tokenizer.vocab_size,
+        target_vocab_size=None,
+        max_len=seq_len,
+        detokenize=tokenizer.decode_lines,  # EOS marks line ends in the LM stream
+        metric="perplexity",
+        log_lines=[
+            f"{stats.summary()}; {len(train_tokens)} training and {len(eval_tokens)} held-out "
+            f"tokens, vocabulary {tokenizer.vocab_size}"
+        ],
+    )
+
+
+def _classification(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
+    stats, eval_stats = data_lib.DataStats(), data_lib.DataStats()
+    path = lambda split: os.path.join(config.data_dir, f"{split}.tsv")  # noqa: E731
+    train = data_lib.load_labeled(path(config.train_split), config.text_column,
+                                  config.label_column, stats)
+    dev = data_lib.load_labeled(path(config.eval_split), config.text_column,
+                                config.label_column, eval_stats)
+    tokenizer = load_or_train(
+        os.path.join(workdir, "spm_cls.model"), lambda: (t for t, _ in train), config.vocab_size,
+        model_type=config.spm_model_type, seed=config.seed,
+    )
+    train_ex = data_lib.encode_labeled(train, tokenizer, max_len=config.max_len, stats=stats)
+    dev_ex = data_lib.encode_labeled(dev, tokenizer, max_len=config.max_len, stats=eval_stats)
+
+    def make_batches(epoch: int) -> list[dict[str, np.ndarray]]:
+        return data_lib.classification_batches(
+            train_ex, max_len=config.max_len, batch_size=config.batch_size, seed=config.seed,
+            epoch=epoch,
+        )
+
+    stream = data_lib.BatchStream(make_batches, process_index=process_index,
+                                  process_count=process_count)
+    evals = data_lib.classification_batches(dev_ex, max_len=config.max_len,
+                                            batch_size=config.batch_size, shuffle=False)
+    return Task(
+        kind="classification",
+        train=stream,
+        eval_batches=evals,
+        vocab_size=tokenizer.vocab_size,
+        target_vocab_size=None,
+        max_len=config.max_len,
+        metric="accuracy",
+        log_lines=[f"train: {stats.summary()}", f"eval: {eval_stats.summary()}"],
+    )
+
+
+def build_task(config: Any, workdir: str, *, process_index: int = 0,
+               process_count: int = 1) -> Task:
+    """The data side of a run, as described by ``config.task``."""
+    builders = {
+        "synthetic": _synthetic,
+        "translation": _translation,
+        "lm": _lm,
+        "classification": _classification,
+    }
+    if config.task not in builders:
+        raise ValueError(f"config.task must be one of {TASKS}; got {config.task!r}")
+    os.makedirs(workdir, exist_ok=True)
+    return builders[config.task](config, workdir, process_index, process_count)
+
+
+def load_tokenizer(workdir: str) -> Tokenizer | None:
+    """The target-side SentencePiece model saved in a workdir, if any."""
+    for name in ("spm_shared.model", "spm_tgt.model", "spm_lm.model", "spm_cls.model"):
+        path = os.path.join(workdir, name)
+        if os.path.isfile(path):
+            return Tokenizer.load(path)
+    return None

@@ -1,0 +1,382 @@
+"""Trains a flaxformer_lite model. The loop reads top to bottom in this one file.
+
+    python train.py --config configs/default.py --workdir runs/default
+    python train.py --config configs/multi30k.py --workdir runs/m30k \
+        --config.data_dir=../shared/data/multi30k --config.num_train_steps=100
+
+A workdir that already holds checkpoints resumes from the latest one: parameters, optimizer
+state, RNG and the position in the data stream, so an interrupted run ends exactly where an
+uninterrupted one would. SIGTERM (a preempted TPU VM) saves a checkpoint before exiting.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flaxformer_lite import losses, optim, sharding, tasks
+from flaxformer_lite.checkpoints import Checkpointer
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.generate import generate
+from flaxformer_lite.metrics import MetricWriter
+from flaxformer_lite.models import DecoderOnly, EncoderClassifier, EncoderDecoder
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step changes, and the RNG it derives dropout keys from."""
+
+    step: jax.Array  # int32 scalar: optimizer updates done
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # uint32 [2] raw key; dropout at step s uses fold_in(rng, s)
+
+
+# ----------------------------------------------------------------------------- model and loss
+
+
+def model_config(config: Any, task: tasks.Task) -> TransformerConfig:
+    """The TransformerConfig of a run: config.model plus the sizes the data decided."""
+    fields = dict(config.model)
+    fields.update(vocab_size=task.vocab_size, target_vocab_size=task.target_vocab_size)
+    fields.setdefault("max_len", task.max_len)
+    if task.target_vocab_size is not None:
+        fields["share_embeddings"] = False
+    return TransformerConfig(**fields)
+
+
+def build_model(kind: str, cfg: TransformerConfig) -> nn.Module:
+    if kind == "lm":
+        return DecoderOnly(cfg)
+    if kind == "classification":
+        return EncoderClassifier(cfg)
+    return EncoderDecoder(cfg)
+
+
+def forward(model: nn.Module, kind: str, params, batch, *, deterministic: bool, rng=None):
+    """Logits, labels and weights of one batch, for any of the three models."""
+    rngs = None if deterministic else {"dropout": rng}
+    apply = functools.partial(model.apply, {"params": params}, deterministic=deterministic,
+                              rngs=rngs)
+    if kind == "classification":
+        return apply(batch["inputs"]), batch["label"], batch["weights"]
+    if kind == "lm":
+        logits = apply(batch["targets"], positions=batch.get("targets_position"),
+                       segmentation=batch.get("targets_segmentation"))
+    else:
+        logits = apply(
+            batch["inputs"], batch["targets"],
+            inputs_positions=batch.get("inputs_position"),
+            targets_positions=batch.get("targets_position"),
+            inputs_segmentation=batch.get("inputs_segmentation"),
+            targets_segmentation=batch.get("targets_segmentation"),
+        )
+    targets = batch["targets"]
+    return logits, targets, (targets != 0).astype(jnp.float32)
+
+
+def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng=None):
+    """(smoothed loss sum, aux sums): summed so micro-batches and devices add up exactly."""
+    logits, labels, weights = forward(model, kind, params, batch, deterministic=deterministic,
+                                      rng=rng)
+    loss, count = losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing)
+    nll, _ = losses.smoothed_cross_entropy(logits, labels, weights, 0.0)
+    correct = losses.correct_predictions(logits, labels, weights)
+    return loss, {"loss": loss, "nll": nll, "count": count, "correct": correct}
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def train_step(state: TrainState, batch, *, model, kind, tx, schedule, label_smoothing,
+               accum_steps: int, skip_nonfinite: bool):
+    """One optimizer update from a batch of ``accum_steps`` micro-batches.
+
+    Gradients of the *summed* loss are accumulated and divided once by the real-token count
+    of the whole batch, so accumulation gives the same update as one big batch.
+    """
+    rng = jax.random.fold_in(state.rng, state.step)
+    grad_fn = jax.grad(
+        functools.partial(loss_sums, model, kind, label_smoothing, deterministic=False),
+        has_aux=True,
+    )
+    if accum_steps == 1:
+        grads, sums = grad_fn(state.params, batch, rng=rng)
+    else:
+        micro = jax.tree_util.tree_map(
+            lambda x: x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:]), batch
+        )
+
+        def body(carry, inputs):
+            i, mb = inputs
+            g, s = grad_fn(state.params, mb, rng=jax.random.fold_in(rng, i))
+            return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, (state.params, _zero_sums()))
+        (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
+    denom = jnp.maximum(sums["count"], 1.0)
+    grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new_state = state.replace(
+        step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state
+    )
+    finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:  # keep the old parameters; the step counter still advances
+        kept = state.replace(step=state.step + 1)
+        new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new_state, kept)
+    metrics = {**sums, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+               "finite": finite}
+    return new_state, metrics
+
+
+def _zero_sums() -> dict[str, jax.Array]:
+    return {k: jnp.zeros((), jnp.float32) for k in ("loss", "nll", "count", "correct")}
+
+
+def eval_step(params, batch, *, model, kind, label_smoothing):
+    _, sums = loss_sums(model, kind, label_smoothing, params, batch, deterministic=True)
+    return sums
+
+
+def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
+    """Loss, accuracy and perplexity from summed counts."""
+    count = max(sums["count"], 1.0)
+    return {
+        f"{prefix}/loss": sums["loss"] / count,
+        f"{prefix}/accuracy": sums["correct"] / count,
+        f"{prefix}/perplexity": float(np.exp(min(sums["nll"] / count, 50.0))),
+    }
+
+
+# ----------------------------------------------------------------------------- decoding eval
+
+
+def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, config) -> dict[str, Any]:
+    """Greedy-decodes the eval sources: exact match (synthetic) or BLEU (translation)."""
+    hyps, refs, examples = [], [], []
+    for inputs, references in zip(task.decode_inputs, task.decode_references, strict=True):
+        if task.metric == "exact_match":
+            max_len = references.shape[1]
+        else:
+            max_len = min(cfg.max_len, int(inputs.shape[1] * 1.5) + 10)
+        tokens, _ = generate(params, cfg, jnp.asarray(inputs), method="greedy", max_len=max_len)
+        tokens = np.asarray(tokens)
+        for row in range(tokens.shape[0]):
+            if task.metric == "exact_match":
+                if not references[row].any():
+                    continue  # padding row
+                hyps.append(bool(losses.exact_match(tokens[row : row + 1],
+                                                    references[row : row + 1])[0]))
+            elif references[row] is not None:
+                hyps.append(task.detokenize(tokens[row].tolist()))
+                refs.append(references[row])
+            if len(examples) < 3 and (task.metric == "bleu" and references[row] is not None
+                                      or task.metric == "exact_match"
+                                      and references[row].any()):
+                examples.append((task.source_detokenize(inputs[row].tolist()),
+                                 task.detokenize(tokens[row].tolist()),
+                                 references[row] if task.metric == "bleu"
+                                 else task.detokenize(references[row].tolist())))
+    if task.metric == "exact_match":
+        return {"eval/exact_match": float(np.mean(hyps))}, examples
+    import sacrebleu
+
+    bleu = sacrebleu.corpus_bleu(hyps, [refs])
+    return {"eval/bleu": bleu.score}, examples
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
+    """Runs (or resumes) training as ``config`` says; returns the last evaluation metrics."""
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    is_main = jax.process_index() == 0
+    log = print if is_main else (lambda *a, **k: None)
+
+    # Data first: the vocabulary sizes decide the model.
+    task = tasks.build_task(config, workdir, process_index=jax.process_index(),
+                            process_count=jax.process_count())
+    for line in task.log_lines:
+        log(f"data: {line}")
+    cfg = model_config(config, task)
+    model = build_model(task.kind, cfg)
+    if is_main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+        with open(os.path.join(workdir, "model_config.json"), "w") as f:
+            f.write(cfg.to_json())
+
+    # Optimizer, mesh, and the train state initialised directly into its shards.
+    schedule = optim.make_schedule(
+        config.schedule, learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
+        total_steps=config.num_train_steps, d_model=cfg.d_model,
+    )
+    tx = optim.make_optimizer(
+        config.optimizer, schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+        weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm,
+    )
+    mesh = sharding.make_mesh(config.mesh_shape)
+    example = jax.tree_util.tree_map(lambda x: jnp.asarray(x[:1]), task.eval_batches[0])
+
+    def init_state():
+        rng = jax.random.PRNGKey(config.seed)
+        init_rng, dropout_rng = jax.random.split(rng)
+        args = ([example["targets"]] if task.kind == "lm" else
+                [example["inputs"]] if task.kind == "classification" else
+                [example["inputs"], example["targets"]])
+        params = model.init(init_rng, *args)["params"]
+        return TrainState(step=jnp.array(0, jnp.int32), params=params,
+                          opt_state=tx.init(params), rng=dropout_rng)
+
+    state, state_shardings = sharding.sharded_init(init_state, mesh)
+    num_params = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(state.params))
+    log(f"model: {type(model).__name__}, {num_params:,} parameters, mesh {dict(mesh.shape)}")
+
+    # Resume from the latest checkpoint, if any.
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                                keep=config.keep_checkpoints)
+    if checkpointer.latest_step() is not None:
+        state, data_state = checkpointer.restore(state)
+        task.train.restore(data_state["train"])
+        log(f"resumed from step {int(state.step)} ({checkpointer.directory})")
+
+    # Jitted steps: the batch is split over ("data", "fsdp"); the state keeps its shardings.
+    batch_sharding = sharding.batch_sharding(mesh)
+    step_fn = jax.jit(
+        functools.partial(
+            train_step, model=model, kind=task.kind, tx=tx, schedule=schedule,
+            label_smoothing=config.label_smoothing, accum_steps=config.grad_accum_steps,
+            skip_nonfinite=config.skip_nonfinite_steps,
+        ),
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=(0,),
+    )
+    eval_fn = jax.jit(functools.partial(eval_step, model=model, kind=task.kind,
+                                        label_smoothing=config.label_smoothing))
+
+    def evaluate(step: int) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for batch in task.eval_batches:
+            sums = jax.device_get(eval_fn(state.params, jax.tree_util.tree_map(jnp.asarray,
+                                                                               batch)))
+            for k, v in sums.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        metrics = summarize(totals, "eval")
+        if task.decode_inputs and config.decode_eval:
+            decoded, examples = decode_metric(task, state.params, cfg, config)
+            metrics.update(decoded)
+            for src, hyp, ref in examples:
+                log(f"  {src!r} -> {hyp!r} (reference {ref!r})")
+        writer.write(step, metrics)
+        log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    # Preemption: SIGTERM sets a flag; the loop saves and exits at the next step boundary.
+    stop = {"signal": False}
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(signal=True))
+
+    writer = MetricWriter(workdir, active=is_main)
+    start_step = int(state.step)
+    pending: list[tuple[int, dict]] = []  # device metrics, fetched at log time (no per-step sync)
+    eval_metrics: dict[str, float] = {}
+    last_log_time, last_log_step = time.time(), start_step
+    from tqdm import tqdm
+
+    bar = tqdm(total=config.num_train_steps, initial=start_step, disable=not is_main,
+               dynamic_ncols=True, desc="train")
+
+    def flush_train_metrics(step: int) -> None:
+        """Fetches pending step metrics, stops on a non-finite loss, logs averages."""
+        nonlocal last_log_time, last_log_step
+        fetched = jax.device_get(pending)
+        pending.clear()
+        for s, m in fetched:
+            if not m["finite"] and not config.skip_nonfinite_steps:
+                raise FloatingPointError(
+                    f"non-finite loss or gradient at step {s}; the last good checkpoint in "
+                    f"{checkpointer.directory} is kept (set skip_nonfinite_steps=True to skip)"
+                )
+        if not fetched:
+            return
+        totals = {k: sum(float(m[k]) for _, m in fetched) for k in _zero_sums()}
+        elapsed = time.time() - last_log_time
+        metrics = summarize(totals, "train")
+        metrics["train/learning_rate"] = float(fetched[-1][1]["learning_rate"])
+        metrics["train/grad_norm"] = float(np.mean([m["grad_norm"] for _, m in fetched]))
+        metrics["train/tokens_per_second"] = totals["count"] / max(elapsed, 1e-9)
+        writer.write(step, metrics)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
+                        tok_s=f"{metrics['train/tokens_per_second']:.0f}")
+        last_log_time, last_log_step = time.time(), step
+
+    def save(step: int, force: bool = False) -> None:
+        flush_train_metrics(step)  # never save parameters after a non-finite step
+        checkpointer.save(step, state, {"train": task.train.state()}, force=force)
+
+    try:
+        with mesh:
+            for step in range(start_step, config.num_train_steps):
+                batch = sharding.host_local_to_global(task.train.next(), mesh)
+                state, metrics = step_fn(state, batch)
+                pending.append((step + 1, metrics))
+                bar.update(1)
+                done = step + 1
+                if done % config.log_every == 0:
+                    flush_train_metrics(done)
+                if done % config.checkpoint_every == 0 and done != config.num_train_steps:
+                    save(done)
+                if config.eval_every and done % config.eval_every == 0:
+                    flush_train_metrics(done)
+                    eval_metrics = evaluate(done)
+                if stop["signal"]:
+                    log(f"SIGTERM: saving step {done} and exiting")
+                    save(done, force=True)
+                    checkpointer.close()
+                    sys.exit(143)
+            final = int(state.step)
+            if final not in checkpointer.all_steps():
+                save(final, force=True)
+            if not eval_metrics or (config.eval_every and final % config.eval_every):
+                flush_train_metrics(final)
+                eval_metrics = evaluate(final)
+    finally:
+        bar.close()
+        signal.signal(signal.SIGTERM, previous_handler)
+        checkpointer.close()
+        writer.close()
+    return eval_metrics
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    config = _CONFIG.value
+    metrics = train_and_evaluate(config, _WORKDIR.value)
+    if jax.process_index() == 0:
+        print("final: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+
+
+if __name__ == "__main__":
+    from absl import app, flags, logging
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file.")
+    _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and logs.")
+    flags.mark_flags_as_required(["config", "workdir"])
+    app.run(main)
