@@ -68,16 +68,21 @@ def build_model(kind: str, cfg: TransformerConfig) -> nn.Module:
 def forward(model: nn.Module, kind: str, params, batch, *, deterministic: bool, rng=None):
     """Logits, labels and weights of one batch, for any of the three models."""
     rngs = None if deterministic else {"dropout": rng}
-    apply = functools.partial(model.apply, {"params": params}, deterministic=deterministic,
-                              rngs=rngs)
+    apply = functools.partial(
+        model.apply, {"params": params}, deterministic=deterministic, rngs=rngs
+    )
     if kind == "classification":
         return apply(batch["inputs"]), batch["label"], batch["weights"]
     if kind == "lm":
-        logits = apply(batch["targets"], positions=batch.get("targets_position"),
-                       segmentation=batch.get("targets_segmentation"))
+        logits = apply(
+            batch["targets"],
+            positions=batch.get("targets_position"),
+            segmentation=batch.get("targets_segmentation"),
+        )
     else:
         logits = apply(
-            batch["inputs"], batch["targets"],
+            batch["inputs"],
+            batch["targets"],
             inputs_positions=batch.get("inputs_position"),
             targets_positions=batch.get("targets_position"),
             inputs_segmentation=batch.get("inputs_segmentation"),
@@ -89,8 +94,9 @@ def forward(model: nn.Module, kind: str, params, batch, *, deterministic: bool, 
 
 def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng=None):
     """(smoothed loss sum, aux sums): summed so micro-batches and devices add up exactly."""
-    logits, labels, weights = forward(model, kind, params, batch, deterministic=deterministic,
-                                      rng=rng)
+    logits, labels, weights = forward(
+        model, kind, params, batch, deterministic=deterministic, rng=rng
+    )
     loss, count = losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing)
     nll, _ = losses.smoothed_cross_entropy(logits, labels, weights, 0.0)
     correct = losses.correct_predictions(logits, labels, weights)
@@ -100,8 +106,18 @@ def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng
 # ----------------------------------------------------------------------------- steps
 
 
-def train_step(state: TrainState, batch, *, model, kind, tx, schedule, label_smoothing,
-               accum_steps: int, skip_nonfinite: bool):
+def train_step(
+    state: TrainState,
+    batch,
+    *,
+    model,
+    kind,
+    tx,
+    schedule,
+    label_smoothing,
+    accum_steps: int,
+    skip_nonfinite: bool,
+):
     """One optimizer update from a batch of ``accum_steps`` micro-batches.
 
     Gradients of the *summed* loss are accumulated and divided once by the real-token count
@@ -128,7 +144,7 @@ def train_step(state: TrainState, batch, *, model, kind, tx, schedule, label_smo
         (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
     denom = jnp.maximum(sums["count"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new_state = state.replace(
         step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state
@@ -137,8 +153,12 @@ def train_step(state: TrainState, batch, *, model, kind, tx, schedule, label_smo
     if skip_nonfinite:  # keep the old parameters; the step counter still advances
         kept = state.replace(step=state.step + 1)
         new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new_state, kept)
-    metrics = {**sums, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
-               "finite": finite}
+    metrics = {
+        **sums,
+        "grad_norm": grad_norm,
+        "learning_rate": schedule(state.step),
+        "finite": finite,
+    }
     return new_state, metrics
 
 
@@ -178,18 +198,27 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, config) -> d
             if task.metric == "exact_match":
                 if not references[row].any():
                     continue  # padding row
-                hyps.append(bool(losses.exact_match(tokens[row : row + 1],
-                                                    references[row : row + 1])[0]))
+                hyps.append(
+                    bool(losses.exact_match(tokens[row : row + 1], references[row : row + 1])[0])
+                )
             elif references[row] is not None:
                 hyps.append(task.detokenize(tokens[row].tolist()))
                 refs.append(references[row])
-            if len(examples) < 3 and (task.metric == "bleu" and references[row] is not None
-                                      or task.metric == "exact_match"
-                                      and references[row].any()):
-                examples.append((task.source_detokenize(inputs[row].tolist()),
-                                 task.detokenize(tokens[row].tolist()),
-                                 references[row] if task.metric == "bleu"
-                                 else task.detokenize(references[row].tolist())))
+            if len(examples) < 3 and (
+                task.metric == "bleu"
+                and references[row] is not None
+                or task.metric == "exact_match"
+                and references[row].any()
+            ):
+                examples.append(
+                    (
+                        task.source_detokenize(inputs[row].tolist()),
+                        task.detokenize(tokens[row].tolist()),
+                        references[row]
+                        if task.metric == "bleu"
+                        else task.detokenize(references[row].tolist()),
+                    )
+                )
     if task.metric == "exact_match":
         return {"eval/exact_match": float(np.mean(hyps))}, examples
     import sacrebleu
@@ -201,16 +230,23 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, config) -> d
 # ----------------------------------------------------------------------------- the loop
 
 
-def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
-    """Runs (or resumes) training as ``config`` says; returns the last evaluation metrics."""
+def train_and_evaluate(
+    config: Any, workdir: str, *, stop_at: int | None = None
+) -> dict[str, float]:
+    """Runs (or resumes) training as ``config`` says; returns the last evaluation metrics.
+
+    ``stop_at`` ends the run after that step with a checkpoint, as a preemption would (tests
+    and schedulers use it); a later call on the same workdir continues.
+    """
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     is_main = jax.process_index() == 0
     log = print if is_main else (lambda *a, **k: None)
 
     # Data first: the vocabulary sizes decide the model.
-    task = tasks.build_task(config, workdir, process_index=jax.process_index(),
-                            process_count=jax.process_count())
+    task = tasks.build_task(
+        config, workdir, process_index=jax.process_index(), process_count=jax.process_count()
+    )
     for line in task.log_lines:
         log(f"data: {line}")
     cfg = model_config(config, task)
@@ -223,12 +259,20 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
 
     # Optimizer, mesh, and the train state initialised directly into its shards.
     schedule = optim.make_schedule(
-        config.schedule, learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
-        total_steps=config.num_train_steps, d_model=cfg.d_model,
+        config.schedule,
+        learning_rate=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        total_steps=config.num_train_steps,
+        d_model=cfg.d_model,
     )
     tx = optim.make_optimizer(
-        config.optimizer, schedule, b1=config.b1, b2=config.b2, eps=config.eps,
-        weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm,
+        config.optimizer,
+        schedule,
+        b1=config.b1,
+        b2=config.b2,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        grad_clip_norm=config.grad_clip_norm,
     )
     mesh = sharding.make_mesh(config.mesh_shape)
     example = jax.tree_util.tree_map(lambda x: jnp.asarray(x[:1]), task.eval_batches[0])
@@ -236,20 +280,24 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     def init_state():
         rng = jax.random.PRNGKey(config.seed)
         init_rng, dropout_rng = jax.random.split(rng)
-        args = ([example["targets"]] if task.kind == "lm" else
-                [example["inputs"]] if task.kind == "classification" else
-                [example["inputs"], example["targets"]])
+        args = (
+            [example["targets"]]
+            if task.kind == "lm"
+            else [example["inputs"]]
+            if task.kind == "classification"
+            else [example["inputs"], example["targets"]]
+        )
         params = model.init(init_rng, *args)["params"]
-        return TrainState(step=jnp.array(0, jnp.int32), params=params,
-                          opt_state=tx.init(params), rng=dropout_rng)
+        return TrainState(
+            step=jnp.array(0, jnp.int32), params=params, opt_state=tx.init(params), rng=dropout_rng
+        )
 
     state, state_shardings = sharding.sharded_init(init_state, mesh)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(state.params))
     log(f"model: {type(model).__name__}, {num_params:,} parameters, mesh {dict(mesh.shape)}")
 
     # Resume from the latest checkpoint, if any.
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                keep=config.keep_checkpoints)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(state)
         task.train.restore(data_state["train"])
@@ -259,22 +307,29 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     batch_sharding = sharding.batch_sharding(mesh)
     step_fn = jax.jit(
         functools.partial(
-            train_step, model=model, kind=task.kind, tx=tx, schedule=schedule,
-            label_smoothing=config.label_smoothing, accum_steps=config.grad_accum_steps,
+            train_step,
+            model=model,
+            kind=task.kind,
+            tx=tx,
+            schedule=schedule,
+            label_smoothing=config.label_smoothing,
+            accum_steps=config.grad_accum_steps,
             skip_nonfinite=config.skip_nonfinite_steps,
         ),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,),
     )
-    eval_fn = jax.jit(functools.partial(eval_step, model=model, kind=task.kind,
-                                        label_smoothing=config.label_smoothing))
+    eval_fn = jax.jit(
+        functools.partial(
+            eval_step, model=model, kind=task.kind, label_smoothing=config.label_smoothing
+        )
+    )
 
     def evaluate(step: int) -> dict[str, float]:
         totals: dict[str, float] = {}
         for batch in task.eval_batches:
-            sums = jax.device_get(eval_fn(state.params, jax.tree_util.tree_map(jnp.asarray,
-                                                                               batch)))
+            sums = jax.device_get(eval_fn(state.params, jax.tree_util.tree_map(jnp.asarray, batch)))
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         metrics = summarize(totals, "eval")
@@ -298,8 +353,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
     last_log_time, last_log_step = time.time(), start_step
     from tqdm import tqdm
 
-    bar = tqdm(total=config.num_train_steps, initial=start_step, disable=not is_main,
-               dynamic_ncols=True, desc="train")
+    bar = tqdm(
+        total=config.num_train_steps,
+        initial=start_step,
+        disable=not is_main,
+        dynamic_ncols=True,
+        desc="train",
+    )
 
     def flush_train_metrics(step: int) -> None:
         """Fetches pending step metrics, stops on a non-finite loss, logs averages."""
@@ -321,8 +381,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         metrics["train/grad_norm"] = float(np.mean([m["grad_norm"] for _, m in fetched]))
         metrics["train/tokens_per_second"] = totals["count"] / max(elapsed, 1e-9)
         writer.write(step, metrics)
-        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
-                        tok_s=f"{metrics['train/tokens_per_second']:.0f}")
+        bar.set_postfix(
+            loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['train/tokens_per_second']:.0f}"
+        )
         last_log_time, last_log_step = time.time(), step
 
     def save(step: int, force: bool = False) -> None:
@@ -330,7 +391,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
         checkpointer.save(step, state, {"train": task.train.state()}, force=force)
 
     try:
-        with mesh:
+        with jax.set_mesh(mesh):
             for step in range(start_step, config.num_train_steps):
                 batch = sharding.host_local_to_global(task.train.next(), mesh)
                 state, metrics = step_fn(state, batch)
@@ -349,6 +410,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, float]:
                     save(done, force=True)
                     checkpointer.close()
                     sys.exit(143)
+                if stop_at is not None and done >= stop_at:
+                    save(done, force=True)
+                    return {}
             final = int(state.step)
             if final not in checkpointer.all_steps():
                 save(final, force=True)

@@ -32,7 +32,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh_shape = (-1, 1, 1)
 
     # Model: TransformerConfig fields (vocabulary sizes come from the data).
-    c.model = ml_collections.ConfigDict(dict(d_model=512, num_heads=8, d_ff=2048,
-                                             num_encoder_layers=6, num_decoder_layers=6,
-                                             dropout_rate=0.1))
+    c.model = ml_collections.ConfigDict(
+        dict(
+            d_model=512,
+            num_heads=8,
+            d_ff=2048,
+            num_encoder_layers=6,
+            num_decoder_layers=6,
+            dropout_rate=0.1,
+        )
+    )
     return c

@@ -16,8 +16,14 @@ def get_config():
     c.task = "synthetic"
     c.synthetic = dict(name="reverse", min_len=4, max_len=16, num_symbols=10, num_eval=512)
     c.batch_size = 64
-    c.model = dict(d_model=128, num_heads=4, d_ff=512, num_encoder_layers=2,
-                   num_decoder_layers=2, dropout_rate=0.0)
+    c.model = dict(
+        d_model=128,
+        num_heads=4,
+        d_ff=512,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dropout_rate=0.0,
+    )
     c.schedule = "cosine"
     c.learning_rate = 2e-3
     c.warmup_steps = 200

@@ -26,6 +26,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "data")
         )
+        self._last_saved: int | None = None
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -34,6 +35,10 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
+        """Saves ``step`` unless it is already saved (or being saved); returns whether it did."""
+        if step == self._last_saved or step in self.all_steps():
+            return False
+        self._last_saved = step
         return self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -42,13 +47,16 @@ class Checkpointer:
             force=force,
         )
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
+    def restore(self, abstract_state: Any = None, step: int | None = None) -> tuple[Any, dict]:
         """Restores into the shapes, dtypes and shardings of ``abstract_state`` (a tree of
-        ``jax.ShapeDtypeStruct`` with shardings, or of arrays)."""
+        ``jax.ShapeDtypeStruct`` with shardings, or of arrays); None restores the saved tree
+        as it was written (nested dicts of arrays)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_state)
+        target = None
+        if abstract_state is not None:
+            target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_state)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(

@@ -79,6 +79,18 @@ def _float_dtype(logits: jax.Array) -> jnp.dtype:
     return jnp.promote_types(logits.dtype, jnp.float32)
 
 
+def _checked_logits(logits: jax.Array, rows: int) -> jax.Array:
+    """Checks the callback's logits are ``[rows, vocab]`` and casts them to the working dtype.
+
+    Runs at trace time, so a model returning ``[batch, 1, vocab]`` fails with a clear message.
+    """
+    if logits.ndim != 2 or logits.shape[0] != rows:
+        raise ValueError(
+            f"tokens_to_logits must return logits of shape [{rows}, vocab], got {logits.shape}."
+        )
+    return logits.astype(_float_dtype(logits))
+
+
 def _initial_tokens(initial_tokens: jax.Array | None, batch_size: int, bos_id: int) -> jax.Array:
     """Returns int32 ``[batch_size]`` first inputs: ``initial_tokens`` or BOS."""
     if initial_tokens is None:
@@ -195,7 +207,7 @@ def _decode_loop(
     def body(state):
         step, last, tokens, log_probs, finished, cache = state
         logits, new_cache = tokens_to_logits(last[:, None], cache)
-        logits = logits.astype(_float_dtype(logits))
+        logits = _checked_logits(logits, batch_size)
         # Scores are reported under the model's own distribution (no temperature / filtering),
         # so every decoding method is scored on the same scale.
         logp = jax.nn.log_softmax(logits, axis=-1)
@@ -482,13 +494,14 @@ def beam_search(
         step = state["step"]
         length = step + 1  # tokens generated once this step's token is appended
         logits, new_cache = tokens_to_logits(state["live_tok"].reshape(-1, 1), state["cache"])
-        logits = logits.astype(_float_dtype(logits))
+        logits = _checked_logits(logits, batch_size * k)
         vocab = logits.shape[-1]
         logp = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
         cand = state["live_logp"][:, :, None] + logp.reshape(batch_size, k, vocab)
         cand = cand.reshape(batch_size, k * vocab)
 
-        # Top 2k candidates: at most k of them can be finished ones that push live ones out.
+        # Top 2k candidates: each live beam has a single EOS extension, so at most k of them
+        # end with EOS and at least k live hypotheses always survive.
         n_cand = min(2 * k, k * vocab)
         top_logp, top_idx = lax.top_k(cand, n_cand)  # [batch, n_cand], sorted
         top_parent = top_idx // vocab

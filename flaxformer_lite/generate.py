@@ -30,7 +30,10 @@ def init_cache(model: Any, batch_size: int, max_len: int, src_len: int | None = 
 
         def init(rng):
             return model.init(
-                rng, src, tokens, decode=True,
+                rng,
+                src,
+                tokens,
+                decode=True,
                 method=lambda m, x, y, decode: m.decode(m.encode(x), x, y, decode=decode),
             )
     else:
@@ -42,31 +45,67 @@ def init_cache(model: Any, batch_size: int, max_len: int, src_len: int | None = 
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _search(method, tokens_to_logits, cache, batch_size, max_len, *, beam_size, alpha,
-            temperature, top_k, top_p, rng, initial_tokens):
+def _search(
+    method,
+    tokens_to_logits,
+    cache,
+    batch_size,
+    max_len,
+    *,
+    beam_size,
+    alpha,
+    temperature,
+    top_k,
+    top_p,
+    rng,
+    initial_tokens,
+):
     if method == "greedy":
         return decoding.greedy_search(
-            tokens_to_logits, cache, batch_size=batch_size, max_len=max_len,
+            tokens_to_logits,
+            cache,
+            batch_size=batch_size,
+            max_len=max_len,
             initial_tokens=initial_tokens,
         )
     if method == "sample":
         if rng is None:
             raise ValueError("method='sample' needs an explicit rng (a jax.random key)")
         return decoding.sample(
-            tokens_to_logits, cache, rng, batch_size=batch_size, max_len=max_len,
-            temperature=temperature, top_k=top_k, top_p=top_p, initial_tokens=initial_tokens,
+            tokens_to_logits,
+            cache,
+            rng,
+            batch_size=batch_size,
+            max_len=max_len,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            initial_tokens=initial_tokens,
         )
     sequences, scores = decoding.beam_search(
-        tokens_to_logits, cache, batch_size=batch_size, beam_size=beam_size, max_len=max_len,
-        alpha=alpha, initial_tokens=initial_tokens,
+        tokens_to_logits,
+        cache,
+        batch_size=batch_size,
+        beam_size=beam_size,
+        max_len=max_len,
+        alpha=alpha,
+        initial_tokens=initial_tokens,
     )
     return sequences[:, 0], scores[:, 0]
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "method", "max_len", "beam_size", "alpha", "temperature",
-                     "top_k", "top_p"),
+    static_argnames=(
+        "config",
+        "method",
+        "max_len",
+        "beam_size",
+        "alpha",
+        "temperature",
+        "top_k",
+        "top_p",
+    ),
 )
 def generate(
     params: Any,
@@ -113,21 +152,44 @@ def generate(
 
     def tokens_to_logits(tokens, cache):
         logits, updated = model.apply(
-            {**variables, "cache": cache}, encoded, inputs, tokens, decode=True,
-            mutable=["cache"], method=model.decode,
+            {**variables, "cache": cache},
+            encoded,
+            inputs,
+            tokens,
+            decode=True,
+            mutable=["cache"],
+            method=model.decode,
         )
         return logits[:, -1], updated["cache"]
 
     return _search(
-        method, tokens_to_logits, cache, batch_size, max_len, beam_size=beam_size, alpha=alpha,
-        temperature=temperature, top_k=top_k, top_p=top_p, rng=rng, initial_tokens=None,
+        method,
+        tokens_to_logits,
+        cache,
+        batch_size,
+        max_len,
+        beam_size=beam_size,
+        alpha=alpha,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        rng=rng,
+        initial_tokens=None,
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "method", "max_len", "beam_size", "alpha", "temperature",
-                     "top_k", "top_p"),
+    static_argnames=(
+        "config",
+        "method",
+        "max_len",
+        "beam_size",
+        "alpha",
+        "temperature",
+        "top_k",
+        "top_p",
+    ),
 )
 def continue_prompt(
     params: Any,
@@ -158,19 +220,34 @@ def continue_prompt(
     cache = init_cache(model, batch_size, prompt_len + 1 + max_len)
     variables = {"params": params}
     _, updated = model.apply(
-        {**variables, "cache": cache}, context[:, :-1], decode=True, mutable=["cache"],
+        {**variables, "cache": cache},
+        context[:, :-1],
+        decode=True,
+        mutable=["cache"],
         method=model.decode,
     )
 
     def tokens_to_logits(tokens, cache):
         logits, new = model.apply(
-            {**variables, "cache": cache}, tokens, decode=True, mutable=["cache"],
+            {**variables, "cache": cache},
+            tokens,
+            decode=True,
+            mutable=["cache"],
             method=model.decode,
         )
         return logits[:, -1], new["cache"]
 
     return _search(
-        method, tokens_to_logits, updated["cache"], batch_size, max_len, beam_size=beam_size,
-        alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
+        method,
+        tokens_to_logits,
+        updated["cache"],
+        batch_size,
+        max_len,
+        beam_size=beam_size,
+        alpha=alpha,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        rng=rng,
         initial_tokens=context[:, -1],
     )

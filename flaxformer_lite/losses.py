@@ -34,7 +34,7 @@ def smoothed_cross_entropy(
     confidence = 1.0 - label_smoothing
     low = label_smoothing / (vocab - 1)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    # Sum_v q_v log p_v without materialising the one-hot: low * sum(log p) + (conf - low) * log p_y.
+    # sum_v q_v log p_v without a one-hot: low * sum(log p) + (conf - low) * log p_y.
     label_log_prob = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
     cross = -(confidence - low) * label_log_prob - low * log_probs.sum(axis=-1)
     entropy = -(confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low + 1e-20))

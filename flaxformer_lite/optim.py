@@ -34,7 +34,7 @@ def make_schedule(
     total_steps: int,
     d_model: int,
 ) -> optax.Schedule:
-    """"noam" (learning_rate is the multiplier of the paper's formula), "cosine" (linear warmup
+    """ "noam" (learning_rate is the multiplier of the paper's formula), "cosine" (linear warmup
     to learning_rate, cosine decay to 0 at total_steps) or "constant" (linear warmup)."""
     if name == "noam":
         return noam_schedule(d_model, warmup_steps, learning_rate)
@@ -44,8 +44,10 @@ def make_schedule(
         )
     if name == "constant":
         return optax.join_schedules(
-            [optax.linear_schedule(0.0, learning_rate, warmup_steps),
-             optax.constant_schedule(learning_rate)],
+            [
+                optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                optax.constant_schedule(learning_rate),
+            ],
             [warmup_steps],
         )
     raise ValueError(f"schedule must be one of {SCHEDULES}; got {name!r}")

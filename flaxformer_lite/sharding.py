@@ -75,9 +75,7 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules=LOGICAL_RULES) -> An
     return nn.logical_to_mesh_sharding(specs, mesh, list(rules))
 
 
-def sharded_init(
-    init_fn: Callable[[], Any], mesh: Mesh, rules=LOGICAL_RULES
-) -> tuple[Any, Any]:
+def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, rules=LOGICAL_RULES) -> tuple[Any, Any]:
     """Runs ``init_fn`` (which returns a tree of boxed parameters/state) directly into shards.
 
     The tree is traced with ``jax.eval_shape`` (no memory), its logical names turned into
@@ -89,7 +87,7 @@ def sharded_init(
     """
     abstract = jax.eval_shape(init_fn)
     shardings = logical_shardings(abstract, mesh, rules)
-    with mesh:
+    with jax.set_mesh(mesh):
         state = jax.jit(lambda: nn.meta.unbox(init_fn()), out_shardings=shardings)()
     return state, shardings
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
 from typing import Any
 
 import numpy as np
@@ -65,8 +66,12 @@ def _synthetic(config: Any, workdir: str, process_index: int, process_count: int
     )
     held_out = gen.eval_batch(s.num_eval, seed=config.seed)
     stream = synthetic.SyntheticStream(
-        gen, batch_size=config.batch_size, seed=config.seed, exclude=held_out["inputs"],
-        process_index=process_index, process_count=process_count,
+        gen,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        exclude=held_out["inputs"],
+        process_index=process_index,
+        process_count=process_count,
     )
     with open(os.path.join(workdir, "vocab.json"), "w") as f:
         json.dump({"task": s.name, "symbols": gen.vocab.symbols}, f)
@@ -96,9 +101,19 @@ def _synthetic(config: Any, workdir: str, process_index: int, process_count: int
     )
 
 
+def local_split(config: Any, split: str) -> str:
+    """Hub split names ("validation") map to local file names ("val") by ``local_splits``."""
+    if config.get("data_dir") and config.get("local_splits"):
+        return dict(config.local_splits).get(split, split)
+    return split
+
+
 def _translation(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
+    resolved = types.SimpleNamespace(**config.to_dict())
+    resolved.train_split = local_split(config, config.train_split)
+    resolved.eval_split = local_split(config, config.eval_split)
     d = data_lib.build_translation_data(
-        config, workdir, process_index=process_index, process_count=process_count
+        resolved, workdir, process_index=process_index, process_count=process_count
     )
     inputs, refs = [], []
     for batch in d.eval_batches:
@@ -130,23 +145,37 @@ def _translation(config: Any, workdir: str, process_index: int, process_count: i
 
 def _lm(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
     stats = data_lib.DataStats()
-    lines = data_lib.load_text(config.data_file, stats)
+    if config.get("data_file"):
+        lines = data_lib.load_text(config.data_file, stats)
+    else:
+        import datasets  # the hub copy; slow to import, so only here
+
+        rows = datasets.load_dataset(config.dataset, split=config.train_split)["text"]
+        lines = [data_lib.normalize(t) for r in rows for t in r.splitlines()]
+        stats.num_read = len(lines)
+        lines = [t for t in lines if t]
+        stats.num_empty_dropped = stats.num_read - len(lines)
     split = int(len(lines) * (1 - config.eval_fraction))
     train_lines, eval_lines = lines[:split], lines[split:]
     tokenizer = load_or_train(
-        os.path.join(workdir, "spm_lm.model"), lambda: iter(train_lines), config.vocab_size,
-        model_type=config.spm_model_type, seed=config.seed,
+        os.path.join(workdir, "spm_lm.model"),
+        lambda: iter(train_lines),
+        config.vocab_size,
+        model_type=config.spm_model_type,
+        seed=config.seed,
     )
     train_tokens = data_lib.lm_token_stream(train_lines, tokenizer)
     eval_tokens = data_lib.lm_token_stream(eval_lines, tokenizer)
     seq_len, rows = config.max_len, config.batch_size
 
     def make_batches(epoch: int) -> list[dict[str, np.ndarray]]:
-        return data_lib.lm_batches(train_tokens, seq_len=seq_len, batch_size=rows,
-                                   seed=config.seed, epoch=epoch)
+        return data_lib.lm_batches(
+            train_tokens, seq_len=seq_len, batch_size=rows, seed=config.seed, epoch=epoch
+        )
 
-    stream = data_lib.BatchStream(make_batches, process_index=process_index,
-                                  process_count=process_count)
+    stream = data_lib.BatchStream(
+        make_batches, process_index=process_index, process_count=process_count
+    )
     evals = data_lib.lm_batches(eval_tokens, seq_len=seq_len, batch_size=rows, seed=0, epoch=0)
     return Task(
         kind="lm",
@@ -166,28 +195,51 @@ def _lm(config: Any, workdir: str, process_index: int, process_count: int) -> Ta
 
 def _classification(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
     stats, eval_stats = data_lib.DataStats(), data_lib.DataStats()
-    path = lambda split: os.path.join(config.data_dir, f"{split}.tsv")  # noqa: E731
-    train = data_lib.load_labeled(path(config.train_split), config.text_column,
-                                  config.label_column, stats)
-    dev = data_lib.load_labeled(path(config.eval_split), config.text_column,
-                                config.label_column, eval_stats)
+
+    def load(split: str, split_stats: data_lib.DataStats) -> list[tuple[str, int]]:
+        if config.get("data_dir"):
+            path = os.path.join(config.data_dir, f"{local_split(config, split)}.tsv")
+            return data_lib.load_labeled(path, config.text_column, config.label_column, split_stats)
+        import datasets  # the hub copy (e.g. glue/sst2)
+
+        table = datasets.load_dataset(config.dataset, config.dataset_config, split=split)
+        out = []
+        for text, label in zip(table[config.text_column], table[config.label_column], strict=True):
+            split_stats.num_read += 1
+            text = data_lib.normalize(text)
+            if text:
+                out.append((text, int(label)))
+            else:
+                split_stats.num_empty_dropped += 1
+        return out
+
+    train = load(config.train_split, stats)
+    dev = load(config.eval_split, eval_stats)
     tokenizer = load_or_train(
-        os.path.join(workdir, "spm_cls.model"), lambda: (t for t, _ in train), config.vocab_size,
-        model_type=config.spm_model_type, seed=config.seed,
+        os.path.join(workdir, "spm_cls.model"),
+        lambda: (t for t, _ in train),
+        config.vocab_size,
+        model_type=config.spm_model_type,
+        seed=config.seed,
     )
     train_ex = data_lib.encode_labeled(train, tokenizer, max_len=config.max_len, stats=stats)
     dev_ex = data_lib.encode_labeled(dev, tokenizer, max_len=config.max_len, stats=eval_stats)
 
     def make_batches(epoch: int) -> list[dict[str, np.ndarray]]:
         return data_lib.classification_batches(
-            train_ex, max_len=config.max_len, batch_size=config.batch_size, seed=config.seed,
+            train_ex,
+            max_len=config.max_len,
+            batch_size=config.batch_size,
+            seed=config.seed,
             epoch=epoch,
         )
 
-    stream = data_lib.BatchStream(make_batches, process_index=process_index,
-                                  process_count=process_count)
-    evals = data_lib.classification_batches(dev_ex, max_len=config.max_len,
-                                            batch_size=config.batch_size, shuffle=False)
+    stream = data_lib.BatchStream(
+        make_batches, process_index=process_index, process_count=process_count
+    )
+    evals = data_lib.classification_batches(
+        dev_ex, max_len=config.max_len, batch_size=config.batch_size, shuffle=False
+    )
     return Task(
         kind="classification",
         train=stream,
@@ -200,8 +252,9 @@ def _classification(config: Any, workdir: str, process_index: int, process_count
     )
 
 
-def build_task(config: Any, workdir: str, *, process_index: int = 0,
-               process_count: int = 1) -> Task:
+def build_task(
+    config: Any, workdir: str, *, process_index: int = 0, process_count: int = 1
+) -> Task:
     """The data side of a run, as described by ``config.task``."""
     builders = {
         "synthetic": _synthetic,

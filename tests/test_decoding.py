@@ -416,6 +416,68 @@ def test_beam_search_stops_early():
             np.testing.assert_allclose(scores[b, j], want[j][0], rtol=1e-5)
 
 
+def crafted_tables(max_len, states):
+    """One-row prefix-model tables from ``{prefix (first token included): {token: prob}}``;
+    unlisted states are uniform over EOS and the normal tokens."""
+    tables = np.zeros((1, VOCAB**max_len, VOCAB), np.float32)
+    for prefix, probs in states.items():
+        code = 0
+        for t in prefix:
+            code = code * VOCAB + t
+        tables[0, code] = np.log(1e-12)
+        for tok, prob in probs.items():
+            tables[0, code, tok] = np.log(prob)
+    tables[..., [PAD_ID, BOS_ID]] = NEG
+    return tables, np.zeros((max_len, VOCAB), np.float32)
+
+
+def run_crafted(tables, pos_bias, max_len, beam_size, alpha):
+    first = np.array([BOS_ID], np.int32)
+    seqs, scores = jit_beam(
+        tables,
+        pos_bias,
+        np.zeros(1, np.int32),
+        first,
+        max_len=max_len,
+        beam_size=beam_size,
+        alpha=alpha,
+    )
+    want = np_exhaustive(tables, pos_bias, 0, BOS_ID, max_len, alpha)[:beam_size]
+    for j, (want_score, want_seq) in enumerate(want):
+        np.testing.assert_array_equal(seqs[0, j, : len(want_seq)], want_seq)
+        np.testing.assert_allclose(scores[0, j], want_score, rtol=1e-5, atol=1e-6)
+    return want
+
+
+def test_beam_search_keeps_k_live_beams_when_candidates_end():
+    # Step 1: EOS and token 3 are the top-2 candidates. Keeping only the top k (= 2) candidates
+    # would leave a single live beam ([3]) and lose [4, EOS], the second-best hypothesis.
+    b = BOS_ID
+    tables, pos_bias = crafted_tables(
+        3, {(b,): {EOS_ID: 0.9, 3: 0.06, 4: 0.04}, (b, 4): {EOS_ID: 1.0}}
+    )
+    want = run_crafted(tables, pos_bias, max_len=3, beam_size=2, alpha=0.0)
+    assert [w[1] for w in want] == [[EOS_ID], [4, EOS_ID]]
+
+
+def test_beam_search_bound_uses_max_length_penalty():
+    # alpha = 2 rewards length strongly. After two steps the finished pool is full
+    # ([EOS], [3, EOS]) and the live beam [3, 3] cannot beat it at length 3, but can at
+    # length 4 ([3, 3, 3, EOS]): stopping with a bound at the next length would be wrong.
+    b = BOS_ID
+    tables, pos_bias = crafted_tables(
+        4,
+        {
+            (b,): {EOS_ID: 0.6, 3: 0.35, 4: 0.05},
+            (b, 3): {EOS_ID: 0.7, 3: 0.29, 4: 0.01},
+            (b, 3, 3): {3: 1.0},
+            (b, 3, 3, 3): {EOS_ID: 1.0},
+        },
+    )
+    want = run_crafted(tables, pos_bias, max_len=4, beam_size=2, alpha=2.0)
+    assert [w[1] for w in want] == [[EOS_ID], [3, 3, 3, EOS_ID]]
+
+
 def test_beam_search_accepts_pre_tiled_cache():
     beam = 3
     cache = prefix_cache(ROWS)

@@ -1,0 +1,326 @@
+"""Training end to end on tiny configs: learning, metrics, checkpoints, exact resume, kill."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+from flaxformer_lite import losses, optim  # noqa: E402
+from flaxformer_lite.checkpoints import Checkpointer  # noqa: E402
+from flaxformer_lite.metrics import read_metrics  # noqa: E402
+
+
+def load_config(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+TINY_OVERRIDES = dict(
+    batch_size=16,
+    num_train_steps=40,
+    log_every=10,
+    eval_every=20,
+    checkpoint_every=10,
+    warmup_steps=10,
+    learning_rate=3e-3,
+)
+
+
+def tiny_config(**overrides):
+    c = load_config("default")
+    c.synthetic.update(min_len=2, max_len=6, num_eval=32)
+    c.model = dict(
+        d_model=32,
+        num_heads=2,
+        d_ff=64,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dropout_rate=0.1,
+    )
+    for k, v in {**TINY_OVERRIDES, **overrides}.items():
+        setattr(c, k, v)
+    return c
+
+
+def final_params(workdir: Path):
+    ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
+    state, data = ckpt.restore()
+    ckpt.close()
+    return state, data
+
+
+def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path):
+    metrics = train.train_and_evaluate(tiny_config(), str(tmp_path))
+    lines = read_metrics(str(tmp_path))
+    train_losses = [m["train/loss"] for m in lines if "train/loss" in m]
+    assert len(train_losses) == 4
+    assert train_losses[-1] < 0.9 * train_losses[0]  # from ln(10) (uniform digits) down
+    for key in (
+        "train/accuracy",
+        "train/perplexity",
+        "train/learning_rate",
+        "train/grad_norm",
+        "train/tokens_per_second",
+    ):
+        assert key in lines[0]
+    evals = [m for m in lines if "eval/exact_match" in m]
+    assert [m["step"] for m in evals] == [20, 40]
+    assert 0.0 <= metrics["eval/exact_match"] <= 1.0
+    assert metrics["eval/loss"] == evals[-1]["eval/loss"]
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [20, 30, 40]  # keep_checkpoints=3
+    assert (tmp_path / "model_config.json").exists() and (tmp_path / "config.json").exists()
+    assert (tmp_path / "vocab.json").exists()
+    assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    config = tiny_config(num_train_steps=12, eval_every=0, checkpoint_every=100, log_every=4)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train.train_and_evaluate(config, str(straight))
+    train.train_and_evaluate(config, str(resumed), stop_at=6)
+    state_half, data_half = final_params(resumed)
+    assert int(state_half["step"]) == 6 and data_half["train"] == {"index": 6}
+    train.train_and_evaluate(config, str(resumed))
+    a, _ = final_params(straight)
+    b, data = final_params(resumed)
+    assert int(a["step"]) == int(b["step"]) == 12 and data["train"] == {"index": 12}
+    leaves_a = jax.tree_util.tree_leaves(a)
+    leaves_b = jax.tree_util.tree_leaves(b)
+    assert len(leaves_a) == len(leaves_b) > 10
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # And training really moved the parameters (the comparison is not vacuous).
+    assert not np.array_equal(
+        np.asarray(leaves_a[-1]),
+        np.asarray(state_half["params"]["decoder"]["layers_0"]["mlp"]["wo"]["kernel"]),
+    )
+
+
+def _train_cmd(workdir: Path, steps: int) -> list[str]:
+    overrides = {
+        **TINY_OVERRIDES,
+        "num_train_steps": steps,
+        "checkpoint_every": 5,
+        "eval_every": 0,
+        "log_every": 5,
+    }
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--config",
+        str(ROOT / "configs/default.py"),
+        "--workdir",
+        str(workdir),
+    ]
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    cmd += [
+        "--config.synthetic.max_len=6",
+        "--config.synthetic.min_len=2",
+        "--config.synthetic.num_eval=32",
+        "--config.model.d_model=32",
+        "--config.model.num_heads=2",
+        "--config.model.d_ff=64",
+        "--config.model.num_encoder_layers=1",
+        "--config.model.num_decoder_layers=1",
+    ]
+    return cmd
+
+
+def _wait_for_checkpoint(workdir: Path, proc: subprocess.Popen, timeout: float = 240) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        ckpts = workdir / "checkpoints"
+        steps = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts.exists() else []
+        if steps:
+            return max(steps)
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("no checkpoint appeared in time")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, sig):
+    workdir = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        _train_cmd(workdir, 100000),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    first = _wait_for_checkpoint(workdir, proc)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    if sig == signal.SIGTERM:
+        # A preempted run saves where it stopped and exits with 128 + SIGTERM.
+        assert proc.returncode == 143, out
+        assert "SIGTERM: saving step" in out
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] >= first
+    target = saved[-1] + 7
+    done = subprocess.run(
+        _train_cmd(workdir, target), capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"resumed from step {saved[-1]}" in done.stdout
+    state, data = final_params(workdir)
+    assert int(state["step"]) == target and data["train"] == {"index": target}
+
+
+def test_noam_schedule_matches_the_paper_formula():
+    d_model, warmup = 512, 4000
+    schedule = optim.noam_schedule(d_model, warmup)
+    for step in (1, 10, 1000, 4000, 4001, 20000, 100000):
+        expected = d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+        assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-6)
+    peak = float(schedule(warmup - 1))
+    assert peak == pytest.approx(512**-0.5 * 4000**-0.5, rel=1e-6)
+    assert float(schedule(warmup - 2)) < peak and float(schedule(warmup)) < peak
+    with pytest.raises(ValueError, match="schedule"):
+        optim.make_schedule("linear", learning_rate=1.0, warmup_steps=1, total_steps=2, d_model=8)
+    with pytest.raises(ValueError, match="optimizer"):
+        optim.make_optimizer("sgd", schedule)
+
+
+def test_label_smoothed_loss_against_hand_computed_value():
+    logits = jnp.array([[[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]]])
+    labels = jnp.array([[0, 3]])
+    weights = jnp.array([[1.0, 0.0]])  # the second position is padding
+    loss, count = losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing=0.1)
+    p = np.exp([2.0, 1.0, 0.0, -1.0])
+    logp = np.log(p / p.sum())
+    q = np.array([0.9, 0.1 / 3, 0.1 / 3, 0.1 / 3])
+    hand = -(q * logp).sum() + (q * np.log(q)).sum()  # cross-entropy minus target entropy
+    assert float(count) == 1.0
+    assert float(loss) == pytest.approx(hand, rel=1e-6)
+    plain, _ = losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing=0.0)
+    assert float(plain) == pytest.approx(-logp[0], rel=1e-6)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing=1.0)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """k micro-batches give the update of one batch: same summed loss, same gradient step."""
+    import optax
+
+    from flaxformer_lite import EncoderDecoder, TransformerConfig
+
+    cfg = TransformerConfig(
+        vocab_size=20,
+        d_model=16,
+        num_heads=2,
+        d_ff=32,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dropout_rate=0.0,
+        max_len=8,
+    )
+    model = EncoderDecoder(cfg)
+    rng = np.random.default_rng(0)
+    batch = {"inputs": rng.integers(3, 20, (8, 6)), "targets": rng.integers(3, 20, (8, 5))}
+    batch["targets"][::3, 3:] = 0  # unequal real-token counts across micro-batches
+    batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+    params = model.init(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
+    tx = optax.sgd(1.0)
+    state = train.TrainState(
+        step=jnp.array(0), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(0)
+    )
+    results = {}
+    for k in (1, 2, 4):
+        step = jax.jit(
+            functools.partial(
+                train.train_step,
+                model=model,
+                kind="translation",
+                tx=tx,
+                schedule=lambda s: 1.0,
+                label_smoothing=0.1,
+                accum_steps=k,
+                skip_nonfinite=False,
+            )
+        )
+        new, metrics = step(state, batch)
+        results[k] = (new, metrics)
+    for k in (2, 4):
+        assert float(results[k][1]["count"]) == float(results[1][1]["count"]) == 8 * 5 - 3 * 2
+        assert float(results[k][1]["loss"]) == pytest.approx(float(results[1][1]["loss"]), rel=1e-6)
+        for x, y in zip(
+            jax.tree_util.tree_leaves(results[k][0].params),
+            jax.tree_util.tree_leaves(results[1][0].params),
+            strict=True,
+        ):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    moved = [
+        float(jnp.abs(a - b).max())
+        for a, b in zip(
+            jax.tree_util.tree_leaves(results[1][0].params),
+            jax.tree_util.tree_leaves(params),
+            strict=True,
+        )
+    ]
+    assert max(moved) > 1e-3
+
+
+def test_nonfinite_loss_stops_with_the_step_and_keeps_last_good_checkpoint(tmp_path):
+    config = tiny_config(
+        schedule="constant",
+        learning_rate=1e30,
+        warmup_steps=1,
+        log_every=1,
+        checkpoint_every=1,
+        num_train_steps=30,
+        eval_every=0,
+    )
+    with pytest.raises(FloatingPointError, match=r"at step \d+"):
+        train.train_and_evaluate(config, str(tmp_path / "stop"))
+    lines = read_metrics(str(tmp_path / "stop"))
+    assert all(np.isfinite(m["train/loss"]) for m in lines)
+    config.skip_nonfinite_steps = True
+    config.num_train_steps = 6
+    train.train_and_evaluate(config, str(tmp_path / "skip"))
+    state, _ = final_params(tmp_path / "skip")
+    assert int(state["step"]) == 6
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state["params"]))
+
+
+def test_bad_config_values_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="task"):
+        train.train_and_evaluate(tiny_config(task="vision"), str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="mesh_shape"):
+        train.train_and_evaluate(tiny_config(mesh_shape=(3, 1, 1)), str(tmp_path / "b"))
+    bad_model = tiny_config()
+    bad_model.model["num_heads"] = 3
+    with pytest.raises(ValueError, match="d_model"):
+        train.train_and_evaluate(bad_model, str(tmp_path / "c"))
+
+
+def test_config_json_written(tmp_path):
+    train.train_and_evaluate(
+        tiny_config(num_train_steps=2, eval_every=0, log_every=1), str(tmp_path)
+    )
+    saved = json.loads((tmp_path / "model_config.json").read_text())
+    assert saved["d_model"] == 32 and saved["vocab_size"] == 14
