@@ -141,19 +141,26 @@ def generate(
     variables = {"params": params}
     batch_size = inputs.shape[0]
     encoded = model.apply(variables, inputs, method=model.encode)
-    cache = init_cache(model, batch_size, max_len, inputs.shape[1])
-    if method == "beam":
-        # The encoder output is read, never updated: expand it once instead of gathering it
-        # with the cache at every step.
-        encoded, inputs = (
-            decoding.flatten_beams(decoding.expand_to_beams(x, beam_size))
-            for x in (encoded, inputs)
-        )
+    if method == "beam":  # beams of one source share its encoding: expand before priming
+        encoded, inputs = decoding.expand_to_beams((encoded, inputs), beam_size)
+    rows = inputs.shape[0]
+    cache = init_cache(model, rows, max_len, inputs.shape[1])
+    # A zero-length decoder call projects the encoder keys/values of every layer into the
+    # cache once; the steps below pass encoded=None and project only their new position.
+    _, primed = model.apply(
+        {**variables, "cache": cache},
+        encoded,
+        inputs,
+        jnp.zeros((rows, 0), jnp.int32),
+        decode=True,
+        mutable=["cache"],
+        method=model.decode,
+    )
 
     def tokens_to_logits(tokens, cache):
         logits, updated = model.apply(
             {**variables, "cache": cache},
-            encoded,
+            None,
             inputs,
             tokens,
             decode=True,
@@ -165,7 +172,7 @@ def generate(
     return _search(
         method,
         tokens_to_logits,
-        cache,
+        primed["cache"],
         batch_size,
         max_len,
         beam_size=beam_size,

@@ -36,7 +36,9 @@ class MultiHeadAttention(nn.Module):
 
     Queries come from ``inputs_q`` `[batch, q_len, features]`; keys and values from ``inputs_kv``
     `[batch, kv_len, features]` (the encoder output in encoder-decoder attention) or from
-    ``inputs_q`` when ``inputs_kv`` is None.
+    ``inputs_q`` when ``inputs_kv`` is None. With ``cross_attention=True`` and ``decode=True``
+    the projected encoder keys/values are cached too, so a decoding step projects only its
+    own new position (see ``_cross_cache``).
 
     Autoregressive decoding (``decode=True``, self-attention only) keeps the projected keys and
     values in the "cache" collection: ``cached_key``/``cached_value`` `[batch, max_len, kv_heads,
@@ -52,6 +54,7 @@ class MultiHeadAttention(nn.Module):
     dropout_rate: float = 0.0
     use_bias: bool = True
     use_rotary: bool = False
+    cross_attention: bool = False
     implementation: str = "xla"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -88,15 +91,18 @@ class MultiHeadAttention(nn.Module):
         """
         features = inputs_q.shape[-1]
         kv_heads = self.num_kv_heads or self.num_heads
-        self_attention = inputs_kv is None
-        kv_source = inputs_q if self_attention else inputs_kv
+        self_attention = inputs_kv is None and not self.cross_attention
         query = self._project(inputs_q, self.num_heads, "query")
-        key = self._project(kv_source, kv_heads, "key")
-        value = self._project(kv_source, kv_heads, "value")
+        if self.cross_attention and decode:
+            key, value = self._cross_cache(inputs_kv, kv_heads)
+        else:
+            if self.cross_attention and inputs_kv is None:
+                raise ValueError("cross-attention needs inputs_kv (the encoder output)")
+            kv_source = inputs_q if self_attention else inputs_kv
+            key = self._project(kv_source, kv_heads, "key")
+            value = self._project(kv_source, kv_heads, "value")
 
-        if decode:
-            if not self_attention:
-                raise ValueError("decode=True is for self-attention (inputs_kv=None) only")
+        if decode and self_attention:
             key, value, mask, positions_q = self._update_cache(key, value, mask)
             positions_kv = jnp.arange(key.shape[1])[None]
         if self.use_rotary:
@@ -135,6 +141,29 @@ class MultiHeadAttention(nn.Module):
             name="out",
         )(out)
         return (out, weights) if return_weights else out
+
+    def _cross_cache(self, inputs_kv: Array | None, kv_heads: int) -> tuple[Array, Array]:
+        """Encoder keys/values for decoding, projected once per batch instead of every step.
+
+        A call with the encoder output (``inputs_kv``) projects and stores them in the cache
+        (``cross_key``/``cross_value`` `[batch, src_len, kv_heads, head_dim]`); later calls with
+        ``inputs_kv=None`` read them back.
+        """
+        if inputs_kv is not None:
+            key = self._project(inputs_kv, kv_heads, "key")
+            value = self._project(inputs_kv, kv_heads, "value")
+            cached_key = self.variable("cache", "cross_key", jnp.zeros, key.shape, key.dtype)
+            cached_value = self.variable(
+                "cache", "cross_value", jnp.zeros, value.shape, value.dtype
+            )
+            cached_key.value, cached_value.value = key, value
+            return key, value
+        if not self.has_variable("cache", "cross_key"):
+            raise ValueError(
+                "cross-attention decoding without inputs_kv reads projected encoder keys from "
+                "the cache: call it once with the encoder output first"
+            )
+        return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
 
     def _update_cache(
         self, key: Array, value: Array, mask: Array | None
@@ -276,6 +305,7 @@ def _attention(config: TransformerConfig, name: str, *, cross: bool = False) -> 
         # Rotary encodes distances within one sequence; queries and keys of cross-attention
         # live in different sequences, so it applies to self-attention only.
         use_rotary=config.position == "rotary" and not cross,
+        cross_attention=cross,
         implementation=config.attention_implementation,
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
@@ -340,7 +370,8 @@ class DecoderLayer(nn.Module):
     """Masked self-attention, encoder-decoder attention, feed-forward; each a residual sub-layer.
 
     `[b, t, d]` -> `[b, t, d]`. With ``cross_attention=False`` (decoder-only models) the middle
-    sub-layer is absent. ``decode=True`` runs the self-attention from its key/value cache.
+    sub-layer is absent. ``decode=True`` runs the self-attention from its key/value cache, and
+    the encoder-decoder attention from cached encoder keys/values when ``encoded`` is None.
     Returns ``{"self": [b, h, t, t], "cross": [b, h, t, s]}`` weights too when ``return_weights``.
     """
 
@@ -390,6 +421,7 @@ class DecoderLayer(nn.Module):
                     encoded,
                     cross_mask,
                     deterministic=deterministic,
+                    decode=decode,
                     return_weights=return_weights,
                 )
                 return out if return_weights else (out, None)

@@ -281,7 +281,9 @@ class EncoderDecoder(nn.Module):
     ):
         """Logits `[batch, tgt_len, vocab]` from *shifted* decoder inputs `[batch, tgt_len]`.
 
-        ``decode=True`` runs one or more new positions against the key/value cache.
+        ``decode=True`` runs one or more new positions against the key/value cache. In that mode
+        ``encoded`` may be None once a call with it has stored the projected encoder keys and
+        values in the cache (a call with zero-length ``decoder_inputs`` does only that).
         """
         check_tokens("decoder_inputs", decoder_inputs, self.config)
         return self.decoder(

@@ -1,0 +1,134 @@
+"""Heatmaps of every attention head for the greedy translation of one sentence.
+
+    python -m flaxformer_lite.attention_maps --workdir runs/m30k \
+        --text "A man rides a bike." --out maps/
+
+Writes one PNG per layer and kind, each a grid of its heads, axes labelled with the subword
+pieces:
+
+  encoder_self_layer{i}.png     queries: source pieces, keys: source pieces
+  decoder_self_layer{i}.png     queries: generated pieces, keys: decoder inputs (BOS, shifted)
+  encoder_decoder_layer{i}.png  queries: generated pieces, keys: source pieces
+
+Row t of a decoder map is the position that predicted generated piece t.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from flaxformer_lite.translate import plain_warnings
+
+KINDS = {
+    # kind: (weights key, query labels key, key labels key, title)
+    "encoder_self": ("encoder_self", "source_pieces", "source_pieces", "encoder self-attention"),
+    "decoder_self": (
+        "decoder_self",
+        "target_pieces",
+        "decoder_input_pieces",
+        "decoder self-attention",
+    ),
+    "encoder_decoder": (
+        "encoder_decoder",
+        "target_pieces",
+        "source_pieces",
+        "encoder-decoder attention",
+    ),
+}
+
+
+def plot_heads(
+    weights: np.ndarray,
+    query_labels: Sequence[str],
+    key_labels: Sequence[str],
+    title: str,
+    path: str,
+) -> None:
+    """Saves a grid of heatmaps, one per head, of ``weights`` `[heads, q_len, kv_len]`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed (headless servers, CI)
+    import matplotlib.pyplot as plt
+
+    heads, q_len, kv_len = weights.shape
+    cols = min(heads, 4)
+    rows = math.ceil(heads / cols)
+    # Cells of about a third of an inch keep piece labels readable on long sentences.
+    cell_w, cell_h = max(2.5, 0.3 * kv_len + 1.0), max(2.5, 0.3 * q_len + 1.0)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(cols * cell_w, rows * cell_h), squeeze=False, constrained_layout=True
+    )
+    for h, ax in enumerate(axes.flat):
+        if h >= heads:
+            ax.axis("off")
+            continue
+        image = ax.imshow(weights[h], vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        ax.set_title(f"head {h}", fontsize=9)
+        ax.set_xticks(range(kv_len), labels=list(key_labels), rotation=90, fontsize=7)
+        ax.set_yticks(range(q_len), labels=list(query_labels), fontsize=7)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_maps(maps: dict[str, Any], out_dir: str) -> list[str]:
+    """All PNGs of ``Translator.attention`` output ``maps`` into ``out_dir``; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for kind, (key, queries, keys, title) in KINDS.items():
+        for layer, weights in enumerate(maps[key]):
+            path = os.path.join(out_dir, f"{kind}_layer{layer}.png")
+            plot_heads(
+                np.asarray(weights),
+                maps[queries],
+                maps[keys],
+                f"{title}, layer {layer}",
+                path,
+            )
+            paths.append(path)
+    return paths
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m flaxformer_lite.attention_maps",
+        description="Plot encoder self-, decoder self- and encoder-decoder attention of every "
+        "layer and head for the greedy translation of one sentence.",
+    )
+    parser.add_argument("--workdir", required=True, help="train.py workdir to load")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--text", required=True, help="source sentence")
+    parser.add_argument("--out", required=True, help="folder for the PNG files")
+    parser.add_argument("--max_len", type=int, default=None, help="most tokens to generate")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    plain_warnings()
+    from flaxformer_lite.inference import Translator  # jax import: after --help
+
+    try:
+        translator = Translator.from_workdir(args.workdir, step=args.step)
+        maps = translator.attention(args.text, max_len=args.max_len)
+    except (FileNotFoundError, ValueError) as e:  # a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = write_maps(maps, args.out)
+    print(f"source:      {' '.join(maps['source_pieces'])}")
+    print(f"translation: {maps['translation']}")
+    print(f"pieces:      {' '.join(maps['target_pieces'])}")
+    print(f"wrote {len(paths)} figures to {os.path.abspath(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,569 @@
+"""Translate strings with a trained workdir: vocabulary, parameters and batched decoding.
+
+    from flaxformer_lite.inference import Translator
+
+    translator = Translator.from_workdir("runs/m30k")  # latest checkpoint
+    translator.translate(["A man rides a bike.", ""], method="beam")  # -> ["Ein Mann ...", ""]
+    translator.attention("A man rides a bike.")  # pieces + attention weights, for plots
+
+A workdir written by ``train.py`` holds ``model_config.json``, ``config.json``, the vocabulary
+(``spm_shared.model``, or ``spm_src.model`` + ``spm_tgt.model``, or ``vocab.json`` for the
+synthetic task) and Orbax checkpoints in ``checkpoints/<step>/``. Only the parameters are read
+from a checkpoint (Orbax partial restore): the optimizer state, twice their size with Adam,
+never leaves the disk.
+
+Inputs are sorted by length and cut into batches of one fixed row count per call, padded to
+source lengths that are multiples of ``BUCKET``: every batch reuses one of a few compiled
+shapes, so ``jax.jit`` compiles once per shape, not once per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.generate import METHODS, generate
+from flaxformer_lite.models import EncoderDecoder
+
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
+FIRST_SYMBOL = 4  # the synthetic vocabulary's first symbol id (after pad, EOS, BOS, UNK)
+SPECIAL_PIECES = ("<pad>", "</s>", "<s>", "<unk>")
+# Source lengths are padded up to a multiple of this: few shapes, little padding.
+BUCKET = 16
+SEQ2SEQ_TASKS = ("synthetic", "translation")
+
+__all__ = ["BUCKET", "SymbolVocabulary", "Translator", "Vocabulary", "load_vocabularies"]
+
+
+class Vocabulary(Protocol):
+    """What the translator needs from a vocabulary (``tokenizer.Tokenizer`` has all of it)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def id_to_piece(self, ids: Iterable[int]) -> list[str]: ...
+
+
+class SymbolVocabulary:
+    """The synthetic task's vocabulary: one character per symbol, ids from 4 on.
+
+    Built from the ``symbols`` string saved in ``vocab.json`` (so the ids are exactly the
+    training ones). ``encode`` skips whitespace ("3 1 4" and "314" are the same input) and maps
+    characters outside the vocabulary to UNK, as SentencePiece does.
+    """
+
+    def __init__(self, symbols: str) -> None:
+        if not symbols or len(set(symbols)) != len(symbols):
+            raise ValueError(f"symbols must be distinct characters; got {symbols!r}")
+        self.symbols = symbols
+        self._ids = {c: FIRST_SYMBOL + i for i, c in enumerate(symbols)}
+
+    @property
+    def vocab_size(self) -> int:
+        return FIRST_SYMBOL + len(self.symbols)
+
+    def encode(self, text: str) -> list[int]:
+        return [self._ids.get(c, UNK_ID) for c in text if not c.isspace()]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Symbols up to the first EOS; PAD, BOS and UNK print nothing."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if FIRST_SYMBOL <= i < self.vocab_size:
+                out.append(self.symbols[i - FIRST_SYMBOL])
+        return "".join(out)
+
+    def id_to_piece(self, ids: Iterable[int]) -> list[str]:
+        pieces = []
+        for i in ids:
+            i = int(i)
+            if 0 <= i < FIRST_SYMBOL:
+                pieces.append(SPECIAL_PIECES[i])
+            elif i < self.vocab_size:
+                pieces.append(self.symbols[i - FIRST_SYMBOL])
+            else:
+                pieces.append(SPECIAL_PIECES[UNK_ID])
+        return pieces
+
+    def __repr__(self) -> str:
+        return f"SymbolVocabulary(symbols={self.symbols!r})"
+
+
+def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
+    """(source, target) vocabularies saved in ``workdir`` by ``train.py`` (one object if shared).
+
+    Raises:
+      FileNotFoundError: none of the vocabulary files is there (their names are listed).
+    """
+    from flaxformer_lite.tokenizer import Tokenizer  # sentencepiece: only when needed
+
+    def path(name: str) -> str:
+        return os.path.join(workdir, name)
+
+    if os.path.isfile(path("spm_shared.model")):
+        shared = Tokenizer.load(path("spm_shared.model"))
+        return shared, shared
+    if os.path.isfile(path("spm_src.model")) and os.path.isfile(path("spm_tgt.model")):
+        return Tokenizer.load(path("spm_src.model")), Tokenizer.load(path("spm_tgt.model"))
+    if os.path.isfile(path("vocab.json")):
+        with open(path("vocab.json")) as f:
+            vocab = SymbolVocabulary(json.load(f)["symbols"])
+        return vocab, vocab
+    raise FileNotFoundError(
+        f"no vocabulary in {workdir}: expected spm_shared.model, spm_src.model + spm_tgt.model "
+        "(translation runs) or vocab.json (synthetic runs)"
+    )
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_steps(checkpoint_dir: str) -> list[int]:
+    """Finished checkpoint steps. Orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames
+    on success, so a directory named by a bare integer is complete."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(
+        int(name)
+        for name in os.listdir(checkpoint_dir)
+        if name.isdigit() and os.path.isdir(os.path.join(checkpoint_dir, name, "state"))
+    )
+
+
+@contextlib.contextmanager
+def _quiet_absl() -> Iterator[None]:
+    """Orbax warns through absl that the item folder has no step metadata (it lives one level
+    up); restoring the item directly is still correct, so keep that out of the CLI output."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {_path_str(p): (tuple(leaf.shape), leaf.dtype) for p, leaf in leaves}
+
+
+def restore_params(checkpoint_dir: str, step: int, expected: Any) -> Any:
+    """Reads only ``state["params"]`` of ``checkpoint_dir/<step>`` as numpy arrays.
+
+    ``expected`` is the parameter tree the model config implies (arrays or
+    ``jax.ShapeDtypeStruct``). Shapes are compared with the checkpoint's metadata *before*
+    restoring, because Orbax restores a mismatched target silently in the saved shape.
+
+    Raises:
+      ValueError: the checkpoint has no params, or its parameter names or shapes differ from
+        ``expected`` (every difference is listed, up to ten).
+    """
+    import orbax.checkpoint as ocp  # slow import: only when a checkpoint is read
+
+    item = os.path.join(checkpoint_dir, str(step), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    with _quiet_absl():
+        metadata = checkpointer.metadata(item)
+    tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+    if not isinstance(tree, dict) or "params" not in tree:
+        raise ValueError(f"checkpoint {item} holds no 'params' (keys: {list(tree or {})})")
+    saved, wanted = _shapes(tree["params"]), _shapes(expected)
+    problems = [
+        f"missing from the checkpoint: {k} {wanted[k][0]}" for k in wanted if k not in saved
+    ]
+    problems += [f"not in the model: {k} {saved[k][0]}" for k in saved if k not in wanted]
+    problems += [
+        f"{k}: checkpoint shape {saved[k][0]}, model_config shape {wanted[k][0]}"
+        for k in wanted
+        if k in saved and saved[k][0] != wanted[k][0]
+    ]
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ValueError(
+            f"checkpoint {item} does not match model_config.json of its workdir: "
+            + "; ".join(problems[:10])
+            + more
+        )
+    target = {"params": jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), expected)}
+    restore_args = jax.tree_util.tree_map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target
+    )
+    with _quiet_absl():
+        restored = checkpointer.restore(
+            item,
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args, partial_restore=True
+            ),
+        )
+    return jax.tree_util.tree_map(
+        lambda x, s: np.asarray(x, dtype=s.dtype), restored["params"], expected
+    )
+
+
+# ----------------------------------------------------------------------------- translator
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class Translator:
+    """An ``EncoderDecoder`` with its parameters and vocabularies: strings in, strings out.
+
+    Args:
+      params: the model parameters (unboxed; numpy or jax arrays).
+      config: the model's ``TransformerConfig``.
+      source_vocab, target_vocab: vocabularies (the same object when shared).
+      beam_size, alpha: defaults of :meth:`translate` (``from_workdir`` reads them from the
+        run's ``config.json`` when it has them).
+      name: where the model came from, for messages.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        config: TransformerConfig,
+        source_vocab: Vocabulary,
+        target_vocab: Vocabulary | None = None,
+        *,
+        beam_size: int = 4,
+        alpha: float = 0.6,
+        name: str = "",
+    ) -> None:
+        self.config = config
+        self.source_vocab = source_vocab
+        self.target_vocab = source_vocab if target_vocab is None else target_vocab
+        self.beam_size = beam_size
+        self.alpha = alpha
+        self.name = name
+        # On the device once, not at every call.
+        self.params = jax.device_put(params)
+        self.model = EncoderDecoder(config)
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_workdir(cls, workdir: str, *, step: int | None = None) -> Translator:
+        """Loads the model config, vocabulary and parameters of a ``train.py`` workdir.
+
+        Args:
+          workdir: the run's folder.
+          step: checkpoint step to load; None = the latest.
+
+        Raises:
+          FileNotFoundError: no such workdir, no ``model_config.json``, no vocabulary, no
+            checkpoint, or no checkpoint at ``step`` (the message names the folder and what
+            is missing).
+          ValueError: the run is not a sequence-to-sequence one, or the vocabulary or the
+            checkpoint does not match ``model_config.json``.
+        """
+        workdir = os.path.abspath(workdir)
+        if not os.path.isdir(workdir):
+            raise FileNotFoundError(f"workdir {workdir} does not exist")
+        config_path = os.path.join(workdir, "model_config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"no model_config.json in {workdir}: is it a train.py workdir?")
+        with open(config_path) as f:
+            config = TransformerConfig.from_json(f.read())
+        run: dict[str, Any] = {}
+        run_path = os.path.join(workdir, "config.json")
+        if os.path.isfile(run_path):
+            with open(run_path) as f:
+                run = json.load(f)
+        task = run.get("task", "translation")
+        if task not in SEQ2SEQ_TASKS:
+            raise ValueError(
+                f"{workdir} was trained with task {task!r}; the translator needs an "
+                f"encoder-decoder run (task one of {SEQ2SEQ_TASKS})"
+            )
+
+        source_vocab, target_vocab = load_vocabularies(workdir)
+        for side, vocab, size in (
+            ("source", source_vocab, config.vocab_size),
+            ("target", target_vocab, config.output_vocab_size),
+        ):
+            if vocab.vocab_size != size:
+                raise ValueError(
+                    f"{side} vocabulary of {workdir} has {vocab.vocab_size} entries but "
+                    f"model_config.json says {size}"
+                )
+
+        checkpoint_dir = os.path.join(workdir, "checkpoints")
+        steps = _checkpoint_steps(checkpoint_dir)
+        if not steps:
+            raise FileNotFoundError(
+                f"no checkpoint in {checkpoint_dir}: train first (train.py --workdir {workdir})"
+            )
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {checkpoint_dir}; available steps: {steps}"
+            )
+        expected = cls.abstract_params(config)
+        params = restore_params(checkpoint_dir, step, expected)
+        return cls(
+            params,
+            config,
+            source_vocab,
+            target_vocab,
+            beam_size=int(run.get("beam_size", 4)),
+            alpha=float(run.get("alpha", 0.6)),
+            name=f"{workdir} (step {step})",
+        )
+
+    @staticmethod
+    def abstract_params(config: TransformerConfig) -> Any:
+        """Shapes and dtypes (``jax.ShapeDtypeStruct``) of an EncoderDecoder's parameters."""
+        import flax.linen as nn
+
+        model = EncoderDecoder(config)
+        tokens = jnp.ones((1, 1), jnp.int32)
+        variables = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))
+        return nn.meta.unbox(variables["params"])
+
+    # ------------------------------------------------------------------ encoding
+
+    @property
+    def max_source_len(self) -> int:
+        """Longest source the model takes, EOS included (inputs are truncated to it)."""
+        return self.config.max_len
+
+    def _decode_len(self, source_len: int, max_len: int | None) -> int:
+        """Tokens to generate for sources padded to ``source_len``.
+
+        Default as in ``train.py``'s BLEU evaluation: 1.5 times the source plus 10, never more
+        than the model's positions cover (decoding stops earlier once every row has EOS).
+        """
+        limit = self.config.max_len
+        if max_len is None:
+            return max(1, min(limit, int(source_len * 1.5) + 10))
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be a positive int or None; got {max_len!r}")
+        if self.config.position in ("sinusoidal", "learned") and max_len > limit:
+            raise ValueError(
+                f"max_len={max_len} is longer than the model's positions "
+                f"(TransformerConfig.max_len={limit}, position={self.config.position!r})"
+            )
+        return max_len
+
+    def encode(self, sentences: Sequence[str]) -> tuple[list[list[int] | None], int]:
+        """Source ids (EOS appended, truncated to ``max_source_len``) or None for empty lines.
+
+        Returns the ids and how many lines were truncated. Whitespace is normalised as in
+        training (runs of any whitespace become one space).
+        """
+        ids: list[list[int] | None] = []
+        truncated = 0
+        for text in sentences:
+            text = " ".join(str(text).split())
+            tokens = self.source_vocab.encode(text) if text else []
+            if not tokens:
+                ids.append(None)
+                continue
+            if len(tokens) + 1 > self.max_source_len:
+                tokens = tokens[: self.max_source_len - 1]
+                truncated += 1
+            ids.append([*tokens, EOS_ID])
+        return ids, truncated
+
+    def _warn_truncated(self, truncated: int, total: int) -> None:
+        if truncated:
+            warnings.warn(
+                f"{truncated} of {total} input lines are longer than the model's max_len "
+                f"({self.max_source_len} tokens with EOS) and were truncated",
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ translation
+
+    def translate(
+        self,
+        sentences: Sequence[str],
+        *,
+        method: str = "beam",
+        beam_size: int | None = None,
+        alpha: float | None = None,
+        batch_size: int = 64,
+        max_len: int | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        progress: bool = False,
+    ) -> list[str]:
+        """Translates ``sentences``; the i-th output translates the i-th input.
+
+        Args:
+          sentences: source strings. An empty (or whitespace-only) one gives "" without being
+            decoded; one longer than the model's ``max_len`` is truncated, and one warning per
+            call counts such lines.
+          method: "beam", "greedy" or "sample".
+          beam_size, alpha: beam search width and GNMT length penalty; None = the
+            translator's defaults (the run's ``config.json``, else 4 and 0.6).
+          batch_size: most sentences per decoding call. Every call of one ``translate`` uses
+            the same row count: ``batch_size``, or the next power of two above the number of
+            sentences when there are fewer (so one short input does not pay for 64 rows).
+          max_len: most tokens to generate; None = ``min(model max_len, 1.5 * source + 10)``.
+          temperature, top_k, top_p: sampling filters (method="sample").
+          seed: sampling key (batch i uses ``fold_in(key(seed), i)``): same seed, same output.
+          progress: show a tqdm bar on stderr.
+
+        Raises:
+          ValueError: unknown ``method``, or a ``beam_size``, ``batch_size`` or ``max_len``
+            that is not a positive int.
+        """
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+        beam_size = self.beam_size if beam_size is None else beam_size
+        alpha = self.alpha if alpha is None else alpha
+        for name, value in (("beam_size", beam_size), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int; got {value!r}")
+        sentences = list(sentences)
+        ids, truncated = self.encode(sentences)
+        self._warn_truncated(truncated, len(sentences))
+        outputs = [""] * len(sentences)
+        # Longest first: a batch holds sentences of similar length, so little padding.
+        order = sorted((i for i, x in enumerate(ids) if x is not None), key=lambda i: -len(ids[i]))
+        if not order:
+            return outputs
+        rows = min(batch_size, 1 << (len(order) - 1).bit_length())
+        from tqdm import tqdm
+
+        with tqdm(total=len(order), disable=not progress, unit="sent", desc="translate") as bar:
+            for batch_index, start in enumerate(range(0, len(order), rows)):
+                chunk = order[start : start + rows]
+                source_len = min(
+                    _round_up(max(len(ids[i]) for i in chunk), BUCKET), self.max_source_len
+                )
+                inputs = np.zeros((rows, source_len), np.int32)
+                for row, i in enumerate(chunk):
+                    inputs[row, : len(ids[i])] = ids[i]
+                # Padding rows copy a real row: they finish when it does, so they never keep
+                # the decoding loop (which stops once all rows have EOS) running longer.
+                inputs[len(chunk) :] = inputs[0]
+                tokens = self._generate(
+                    inputs,
+                    method=method,
+                    max_len=self._decode_len(source_len, max_len),
+                    beam_size=beam_size,
+                    alpha=alpha,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    rng=jax.random.fold_in(jax.random.key(seed), batch_index),
+                )
+                for row, i in enumerate(chunk):
+                    outputs[i] = " ".join(self.target_vocab.decode(tokens[row].tolist()).split())
+                bar.update(len(chunk))
+        return outputs
+
+    def _generate(
+        self, inputs: np.ndarray, *, method: str, rng: jax.Array, **kw: Any
+    ) -> np.ndarray:
+        """Token ids `[rows, max_len]` (EOS then PAD) for source ids `[rows, src_len]`."""
+        tokens, _ = generate(
+            self.params,
+            self.config,
+            jnp.asarray(inputs),
+            method=method,
+            rng=rng if method == "sample" else None,
+            **kw,
+        )
+        return np.asarray(tokens)
+
+    # ------------------------------------------------------------------ attention
+
+    def attention(self, text: str, *, max_len: int | None = None) -> dict[str, Any]:
+        """Attention weights of the greedy translation of ``text``, for plotting.
+
+        The translation is decoded greedily, then run once more teacher-forced (same tokens)
+        with ``return_weights=True``.
+
+        Returns a dict:
+          ``translation``: the output string.
+          ``source_pieces``: `[src_len]` pieces of the source, EOS included.
+          ``target_pieces``: `[tgt_len]` generated pieces, EOS included when generated. Row
+            ``t`` of the decoder weights is the position that predicted ``target_pieces[t]``.
+          ``decoder_input_pieces``: `[tgt_len]` what the decoder read: BOS then the targets
+            shifted right (the keys of decoder self-attention).
+          ``encoder_self``: float32 `[enc_layers, heads, src_len, src_len]`.
+          ``decoder_self``: float32 `[dec_layers, heads, tgt_len, tgt_len]`.
+          ``encoder_decoder``: float32 `[dec_layers, heads, tgt_len, src_len]`.
+
+        Raises:
+          ValueError: ``text`` is empty.
+        """
+        ids, truncated = self.encode([text])
+        self._warn_truncated(truncated, 1)
+        if ids[0] is None:
+            raise ValueError("attention() needs a non-empty text")
+        source = np.asarray([ids[0]], np.int32)
+        tokens = self._generate(
+            source,
+            method="greedy",
+            rng=jax.random.key(0),
+            max_len=self._decode_len(source.shape[1], max_len),
+            beam_size=1,
+            alpha=0.0,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+        )[0]
+        eos = np.flatnonzero(tokens == EOS_ID)
+        target = tokens[: eos[0] + 1] if eos.size else tokens
+        decoder_inputs = np.concatenate([[self.config.bos_id], target[:-1]]).astype(np.int32)
+        enc, dec = _attention_weights(
+            self.params, self.config, jnp.asarray(source), jnp.asarray(decoder_inputs[None])
+        )
+        return {
+            "translation": self.target_vocab.decode(target.tolist()),
+            "source_pieces": self.source_vocab.id_to_piece(ids[0]),
+            "target_pieces": self.target_vocab.id_to_piece(target.tolist()),
+            "decoder_input_pieces": self.target_vocab.id_to_piece(decoder_inputs.tolist()),
+            "encoder_self": np.stack([np.asarray(w[0]) for w in enc]),
+            "decoder_self": np.stack([np.asarray(w["self"][0]) for w in dec]),
+            "encoder_decoder": np.stack([np.asarray(w["cross"][0]) for w in dec]),
+        }
+
+    def __repr__(self) -> str:
+        return f"Translator({self.name or self.config})"
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _attention_weights(
+    params: Any, config: TransformerConfig, inputs: jax.Array, decoder_inputs: jax.Array
+) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
+    """Encoder weights (per layer `[b, h, s, s]`) and decoder weights (per layer
+    ``{"self": [b, h, t, t], "cross": [b, h, t, s]}``) of one teacher-forced pass."""
+    model = EncoderDecoder(config)
+    variables = {"params": params}
+    encoded, enc = model.apply(variables, inputs, return_weights=True, method=model.encode)
+    _, dec = model.apply(
+        variables, encoded, inputs, decoder_inputs, return_weights=True, method=model.decode
+    )
+    return enc, dec
