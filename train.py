@@ -184,16 +184,22 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
 # ----------------------------------------------------------------------------- decoding eval
 
 
-def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, config) -> dict[str, Any]:
-    """Greedy-decodes the eval sources: exact match (synthetic) or BLEU (translation)."""
+def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dict[str, Any]:
+    """Greedy-decodes the eval sources: exact match (synthetic) or BLEU (translation).
+
+    Every process decodes its rows; the tokens are gathered so each sees the whole set.
+    """
+    from jax.experimental import multihost_utils
+
     hyps, refs, examples = [], [], []
     for inputs, references in zip(task.decode_inputs, task.decode_references, strict=True):
         if task.metric == "exact_match":
             max_len = references.shape[1]
         else:
             max_len = min(cfg.max_len, int(inputs.shape[1] * 1.5) + 10)
-        tokens, _ = generate(params, cfg, jnp.asarray(inputs), method="greedy", max_len=max_len)
-        tokens = np.asarray(tokens)
+        local = sharding.host_local_to_global(sharding.process_rows({"x": inputs}), mesh)["x"]
+        tokens, _ = generate(params, cfg, local, method="greedy", max_len=max_len)
+        tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
         for row in range(tokens.shape[0]):
             if task.metric == "exact_match":
                 if not references[row].any():
@@ -329,12 +335,13 @@ def train_and_evaluate(
     def evaluate(step: int) -> dict[str, float]:
         totals: dict[str, float] = {}
         for batch in task.eval_batches:
-            sums = jax.device_get(eval_fn(state.params, jax.tree_util.tree_map(jnp.asarray, batch)))
+            batch = sharding.host_local_to_global(sharding.process_rows(batch), mesh)
+            sums = jax.device_get(eval_fn(state.params, batch))
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         metrics = summarize(totals, "eval")
         if task.decode_inputs and config.decode_eval:
-            decoded, examples = decode_metric(task, state.params, cfg, config)
+            decoded, examples = decode_metric(task, state.params, cfg, mesh)
             metrics.update(decoded)
             for src, hyp, ref in examples:
                 log(f"  {src!r} -> {hyp!r} (reference {ref!r})")
@@ -391,7 +398,7 @@ def train_and_evaluate(
         checkpointer.save(step, state, {"train": task.train.state()}, force=force)
 
     try:
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
             for step in range(start_step, config.num_train_steps):
                 batch = sharding.host_local_to_global(task.train.next(), mesh)
                 state, metrics = step_fn(state, batch)
@@ -430,6 +437,9 @@ def train_and_evaluate(
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    sharding.initialize_distributed(
+        _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, auto=_MULTIHOST.value
+    )
     config = _CONFIG.value
     metrics = train_and_evaluate(config, _WORKDIR.value)
     if jax.process_index() == 0:
@@ -442,5 +452,13 @@ if __name__ == "__main__":
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file.")
     _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and logs.")
+    _MULTIHOST = flags.DEFINE_bool(
+        "multihost", False, "Auto-detect a multi-host run (TPU VM pod slice, SLURM)."
+    )
+    _COORDINATOR = flags.DEFINE_string(
+        "coordinator_address", None, "host:port of process 0 for a multi-process run."
+    )
+    _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+    _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
     flags.mark_flags_as_required(["config", "workdir"])
     app.run(main)

@@ -23,6 +23,13 @@ def get_config():
         num_encoder_layers=2,
         num_decoder_layers=2,
         dropout_rate=0.0,
+        # Listed so that the command line can override them (--config.model.use_bias=False).
+        attention_dropout_rate=0.0,
+        norm_position="post",
+        position="sinusoidal",
+        activation="relu",
+        use_bias=True,
+        dtype="float32",
     )
     c.schedule = "cosine"
     c.learning_rate = 2e-3

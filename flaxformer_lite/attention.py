@@ -13,7 +13,9 @@ query, never by materialising repeated keys.
 
 The ``implementation`` switch is the one place a faster kernel plugs in:
   "xla"   the plain reference: einsum, masked float32 softmax, einsum (default, all backends);
-  "cudnn" ``jax.nn.dot_product_attention`` (XLA's fused kernel; cuDNN flash attention on GPU).
+  "cudnn" ``jax.nn.dot_product_attention`` (XLA's fused kernel; cuDNN flash attention on GPU);
+  "blockwise" ``blockwise.blockwise_attention``: online softmax over key blocks in pure JAX with
+          a recomputing backward, memory linear in sequence length (long sequences).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.blockwise import blockwise_attention
+
 Array = jax.Array
-Implementation = Literal["xla", "cudnn"]
-IMPLEMENTATIONS = ("xla", "cudnn")
+Implementation = Literal["xla", "cudnn", "blockwise"]
+IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
 
 
 def _check_shapes(query: Array, key: Array, value: Array) -> None:
@@ -148,8 +152,8 @@ def dot_product_attention(
       dropout_rng: PRNG key, required when dropout is active.
       deterministic: disables dropout.
       return_weights: also return the weights `[batch, heads, q_len, kv_len]` (float32).
-      implementation: "xla" (reference, default) or "cudnn" (``jax.nn.dot_product_attention``;
-        no dropout, no weights).
+      implementation: "xla" (reference, default), "cudnn" (``jax.nn.dot_product_attention``)
+        or "blockwise" (memory-efficient); the last two take no dropout and return no weights.
 
     Returns:
       `[batch, q_len, heads, head_dim]` in the dtype of ``value``; and the weights when asked.
@@ -168,12 +172,14 @@ def dot_product_attention(
         if mask.dtype != jnp.bool_:
             raise ValueError(f"mask must be boolean (True = may attend); got dtype {mask.dtype}")
 
-    if implementation == "cudnn":
+    if implementation in ("cudnn", "blockwise"):
         if use_dropout or return_weights:
             raise ValueError(
-                "implementation='cudnn' supports neither attention dropout nor return_weights; "
-                "use implementation='xla'"
+                f"implementation={implementation!r} supports neither attention dropout nor "
+                "return_weights; use implementation='xla'"
             )
+        if implementation == "blockwise":
+            return blockwise_attention(query, key, value, mask, bias)
         return _cudnn_attention(query, key, value, mask, bias)
 
     weights = attention_weights(query, key, mask, bias)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from flaxformer_lite.inference import Translator
 from flaxformer_lite.translate import plain_warnings
 
 KINDS = {
@@ -114,7 +115,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     plain_warnings()
-    from flaxformer_lite.inference import Translator  # jax import: after --help
 
     try:
         translator = Translator.from_workdir(args.workdir, step=args.step)

@@ -24,7 +24,12 @@ class Checkpointer:
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "data")
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(),
+            },
         )
         self._last_saved: int | None = None
 
@@ -50,12 +55,18 @@ class Checkpointer:
     def restore(self, abstract_state: Any = None, step: int | None = None) -> tuple[Any, dict]:
         """Restores into the shapes, dtypes and shardings of ``abstract_state`` (a tree of
         ``jax.ShapeDtypeStruct`` with shardings, or of arrays); None restores the saved tree
-        as it was written (nested dicts of arrays)."""
+        (nested dicts of arrays) onto this process's first device."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        target = None
-        if abstract_state is not None:
+        if abstract_state is None:
+            # Whatever topology wrote it (8 devices, 2 hosts), read it onto one local device.
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            metadata = self._manager.item_metadata(step)["state"]
+            target = jax.tree_util.tree_map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata
+            )
+        else:
             target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_state)
         restored = self._manager.restore(
             step,

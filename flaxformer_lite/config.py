@@ -17,7 +17,7 @@ NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 POSITIONS = ("sinusoidal", "learned", "rotary", "none")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
 POOLINGS = ("mean", "first")
 
 
@@ -46,7 +46,8 @@ class TransformerConfig:
       use_bias: biases in the attention and feed-forward projections.
       dtype: compute dtype ("float32", "bfloat16", "float16"); softmax and loss stay float32.
       param_dtype: storage dtype of the parameters.
-      attention_implementation: "xla" (reference) or "cudnn" (jax.nn.dot_product_attention).
+      attention_implementation: "xla" (reference), "cudnn" (jax.nn.dot_product_attention) or
+        "blockwise" (memory linear in length; no attention dropout).
       num_classes: labels of the EncoderClassifier head.
       pooling: how the classifier pools the encoder output ("mean" over real tokens, "first").
       pad_id: the padding token id in every input.
@@ -130,6 +131,12 @@ class TransformerConfig:
                 raise ValueError(
                     f"TransformerConfig.{name} must be one of {valid}; got {getattr(self, name)!r}"
                 )
+        if self.attention_implementation != "xla" and self.attention_dropout_rate > 0:
+            raise ValueError(
+                f"TransformerConfig.attention_dropout_rate must be 0 with "
+                f"attention_implementation={self.attention_implementation!r} (only 'xla' "
+                f"implements attention dropout); got {self.attention_dropout_rate}"
+            )
         if self.position == "sinusoidal" and self.d_model % 2:
             raise ValueError(
                 f"TransformerConfig.d_model must be even for sinusoidal positions; "

@@ -13,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from flaxformer_lite.inference import Translator
 from flaxformer_lite.translate import (
     add_decoding_flags,
     decoding_kwargs,
@@ -59,7 +60,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     plain_warnings()
-    from flaxformer_lite.inference import Translator  # jax import: after --help
 
     try:
         sources, references = read_lines(args.source), read_lines(args.reference)

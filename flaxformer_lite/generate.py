@@ -19,29 +19,37 @@ from flaxformer_lite.models import DecoderOnly, EncoderDecoder
 METHODS = ("greedy", "beam", "sample")
 
 
-def init_cache(model: Any, batch_size: int, max_len: int, src_len: int | None = None) -> Any:
+def init_cache(
+    model: Any, params: Any, batch_size: int, max_len: int, src_len: int | None = None
+) -> Any:
     """A zero key/value cache for ``batch_size`` rows and ``max_len`` decoder positions.
 
-    Only shapes are traced (``jax.eval_shape``): no parameters are initialised.
+    Only shapes are traced (``jax.eval_shape`` of a decoding call with ``params``): nothing
+    is computed and no parameter is initialised.
     """
     tokens = jnp.zeros((batch_size, max_len), jnp.int32)
     if isinstance(model, EncoderDecoder):
+        encoded = jnp.zeros((batch_size, src_len or 1, model.config.d_model), model.config.dtype)
         src = jnp.ones((batch_size, src_len or 1), jnp.int32)
 
-        def init(rng):
-            return model.init(
-                rng,
+        def run(p):
+            return model.apply(
+                {"params": p},
+                encoded,
                 src,
                 tokens,
                 decode=True,
-                method=lambda m, x, y, decode: m.decode(m.encode(x), x, y, decode=decode),
+                mutable=["cache"],
+                method=model.decode,
             )
     else:
 
-        def init(rng):
-            return model.init(rng, tokens, decode=True, method=model.decode)
+        def run(p):
+            return model.apply(
+                {"params": p}, tokens, decode=True, mutable=["cache"], method=model.decode
+            )
 
-    shapes = jax.eval_shape(init, jax.random.key(0))["cache"]
+    shapes = jax.eval_shape(run, params)[1]["cache"]
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -144,7 +152,7 @@ def generate(
     if method == "beam":  # beams of one source share its encoding: expand before priming
         encoded, inputs = decoding.expand_to_beams((encoded, inputs), beam_size)
     rows = inputs.shape[0]
-    cache = init_cache(model, rows, max_len, inputs.shape[1])
+    cache = init_cache(model, params, rows, max_len, inputs.shape[1])
     # A zero-length decoder call projects the encoder keys/values of every layer into the
     # cache once; the steps below pass encoded=None and project only their new position.
     _, primed = model.apply(
@@ -224,7 +232,7 @@ def continue_prompt(
     batch_size, prompt_len = prompt.shape
     bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
     context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
-    cache = init_cache(model, batch_size, prompt_len + 1 + max_len)
+    cache = init_cache(model, params, batch_size, prompt_len + 1 + max_len)
     variables = {"params": params}
     _, updated = model.apply(
         {**variables, "cache": cache},

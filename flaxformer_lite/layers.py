@@ -31,6 +31,66 @@ def _param_init(init: Callable, names: tuple[str | None, ...]) -> Callable:
     return nn.with_logical_partitioning(init, names)
 
 
+class HeadProjection(nn.Module):
+    """`[batch, len, features]` -> `[batch, len, heads, head_dim]` with kernel `[embed, heads, kv]`.
+
+    Written out instead of ``nn.DenseGeneral``, which initialises a flattened kernel and so
+    cannot carry rank-3 logical axis names through sharding constraints.
+    """
+
+    heads: int
+    head_dim: int
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        init = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2))
+        kernel = self.param(
+            "kernel",
+            _param_init(init, ("embed", "heads", "kv")),
+            (x.shape[-1], self.heads, self.head_dim),
+            self.param_dtype,
+        )
+        y = jnp.einsum("bld,dhk->blhk", x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                _param_init(_zeros, ("heads", "kv")),
+                (self.heads, self.head_dim),
+                self.param_dtype,
+            )
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+class OutputProjection(nn.Module):
+    """`[batch, len, heads, head_dim]` -> `[batch, len, features]`, kernel `[heads, kv, embed]`."""
+
+    features: int
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        init = nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2)
+        kernel = self.param(
+            "kernel",
+            _param_init(init, ("heads", "kv", "embed")),
+            (x.shape[-2], x.shape[-1], self.features),
+            self.param_dtype,
+        )
+        y = jnp.einsum("blhk,hkd->bld", x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_bias:
+            bias = self.param(
+                "bias", _param_init(_zeros, ("embed",)), (self.features,), self.param_dtype
+            )
+            y = y + bias.astype(self.dtype)
+        return y
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (the paper's section 3.2.2), self- or cross-attention.
 
@@ -60,11 +120,11 @@ class MultiHeadAttention(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     def _project(self, x: Array, heads: int, name: str) -> Array:
-        return nn.DenseGeneral(
-            features=(heads, self.head_dim),
+        """`[batch, len, features]` -> `[batch, len, heads, head_dim]`."""
+        return HeadProjection(
+            heads,
+            self.head_dim,
             use_bias=self.use_bias,
-            kernel_init=_param_init(_xavier, ("embed", "heads", "kv")),
-            bias_init=_param_init(_zeros, ("heads", "kv")),
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name=name,
@@ -130,12 +190,9 @@ class MultiHeadAttention(nn.Module):
             implementation=self.implementation,
         )
         out, weights = result if return_weights else (result, None)
-        out = nn.DenseGeneral(
-            features=features,
-            axis=(-2, -1),
+        out = OutputProjection(
+            features,
             use_bias=self.use_bias,
-            kernel_init=_param_init(_xavier, ("heads", "kv", "embed")),
-            bias_init=_param_init(_zeros, ("embed",)),
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="out",

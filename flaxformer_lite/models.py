@@ -56,6 +56,14 @@ def shift_right(targets: Array, bos_id: int, positions: Array | None = None) -> 
     return shifted.astype(targets.dtype)
 
 
+def _constrain(x: Array) -> Array:
+    """Names the axes of the residual stream `[batch, length, d_model]` for sharding rules
+    (batch split over data-parallel devices); a no-op outside a mesh."""
+    return nn.with_logical_constraint(
+        x, ("activation_batch", "activation_length", "activation_embed")
+    )
+
+
 def _default_positions(tokens: Array) -> Array:
     return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
 
@@ -97,8 +105,10 @@ class Encoder(nn.Module):
     ):
         cfg = self.config
         positions = _default_positions(inputs) if inputs_positions is None else inputs_positions
-        x = _Embedder(cfg, self.embedding, name="embedder")(
-            inputs, positions, deterministic=deterministic
+        x = _constrain(
+            _Embedder(cfg, self.embedding, name="embedder")(
+                inputs, positions, deterministic=deterministic
+            )
         )
         mask = padding_mask(inputs, inputs, cfg.pad_id)
         if inputs_segmentation is not None:
@@ -115,6 +125,7 @@ class Encoder(nn.Module):
             if return_weights:
                 x, w = x
                 weights.append(w)
+            x = _constrain(x)
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
         return (x, weights) if return_weights else x
@@ -177,8 +188,10 @@ class Decoder(nn.Module):
                     cross_mask, segment_mask(targets_segmentation, inputs_segmentation)
                 )
 
-        x = _Embedder(cfg, self.embedding, name="embedder")(
-            decoder_inputs, positions, deterministic=deterministic
+        x = _constrain(
+            _Embedder(cfg, self.embedding, name="embedder")(
+                decoder_inputs, positions, deterministic=deterministic
+            )
         )
         weights = []
         for i in range(cfg.num_decoder_layers):
@@ -195,6 +208,7 @@ class Decoder(nn.Module):
             if return_weights:
                 x, w = x
                 weights.append(w)
+            x = _constrain(x)
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
         if cfg.tie_output_embedding:

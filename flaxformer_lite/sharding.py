@@ -21,13 +21,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MESH_AXES = ("data", "fsdp", "tensor")
 
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
+    # Parameters.
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("kv", None),
-    ("length", None),
+    # Activations: the batch is split over data and fsdp; the residual stream is whole on
+    # every tensor-parallel device (Megatron), heads/mlp split inside the sub-layers.
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
 )
 
 
@@ -72,7 +76,23 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules=LOGICAL_RULES) -> An
     Unboxed leaves (step counters, RNG keys, optimizer counts) are replicated.
     """
     specs = nn.get_partition_spec(abstract_tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, list(rules))
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, list(rules))
+    shapes = nn.meta.unbox(abstract_tree)
+    return jax.tree_util.tree_map(lambda x, sh: _divisible(x.shape, sh), shapes, shardings)
+
+
+def _divisible(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
+    """Replicates the dimensions a mesh axis does not divide (a vocabulary of 37,003 over 8
+    tensor-parallel devices, say) instead of failing: that one tensor is simply not split."""
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    for i, axes in enumerate(spec):
+        if axes is None:
+            continue
+        names = axes if isinstance(axes, tuple) else (axes,)
+        size = int(np.prod([sharding.mesh.shape[a] for a in names]))
+        if shape[i] % size:
+            spec[i] = None
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
 def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, rules=LOGICAL_RULES) -> tuple[Any, Any]:
@@ -90,6 +110,45 @@ def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, rules=LOGICAL_RULES) ->
     with jax.set_mesh(mesh):
         state = jax.jit(lambda: nn.meta.unbox(init_fn()), out_shardings=shardings)()
     return state, shardings
+
+
+def process_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's contiguous rows of a global batch (rows divisible by process count)."""
+    index, count = jax.process_index(), jax.process_count()
+    out = {}
+    for key, value in batch.items():
+        rows = value.shape[0]
+        if rows % count:
+            raise ValueError(f"batch rows ({rows}) must be divisible by process_count ({count})")
+        per = rows // count
+        out[key] = value[index * per : (index + 1) * per]
+    return out
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+) -> None:
+    """Joins a multi-process run (several hosts, or several processes on one host).
+
+    With ``auto`` (TPU VM pod slices, SLURM, ...) JAX finds the coordinator itself; otherwise
+    the three values come from the arguments. CPU processes talk through gloo collectives.
+    Does nothing for a single process.
+    """
+    if not auto and not (num_processes and num_processes > 1):
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if auto:
+        jax.distributed.initialize()
+    else:
+        if coordinator_address is None or process_id is None:
+            raise ValueError(
+                "num_processes > 1 needs coordinator_address (host:port) and process_id"
+            )
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
 
 
 def host_local_to_global(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

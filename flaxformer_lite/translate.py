@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Sequence
 
 from flaxformer_lite.generate import METHODS
+from flaxformer_lite.inference import Translator
 
 
 def read_lines(path: str | None) -> list[str]:
@@ -111,7 +112,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     plain_warnings()
-    from flaxformer_lite.inference import Translator  # jax import: after --help
 
     try:
         translator = Translator.from_workdir(args.workdir, step=args.step)

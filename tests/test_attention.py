@@ -93,8 +93,10 @@ def test_agrees_with_jax_nn_and_cudnn_switch(shape):
     ours = dot_product_attention(q, k, v, mask)
     theirs = jax.nn.dot_product_attention(q, k, v, mask=mask)
     switched = dot_product_attention(q, k, v, mask, implementation="cudnn")
+    blockwise = dot_product_attention(q, k, v, mask, implementation="blockwise")
     assert rel_err(ours, theirs) < 1e-5
     assert rel_err(switched, ours) < 1e-5
+    assert rel_err(blockwise, ours) < 1e-5
 
 
 def test_fully_masked_rows_give_zeros_and_finite_gradients():

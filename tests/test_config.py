@@ -59,6 +59,10 @@ def test_frozen():
         (dict(dtype="float8"), "dtype"),
         (dict(attention_implementation="flash"), "attention_implementation"),
         (dict(pooling="max"), "pooling"),
+        (
+            dict(attention_implementation="blockwise", attention_dropout_rate=0.1),
+            "attention_dropout_rate",
+        ),
         (dict(target_vocab_size=10, share_embeddings=True), "share_embeddings"),
         (dict(pad_id=40000), "pad_id"),
         (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"),

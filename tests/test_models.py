@@ -30,6 +30,7 @@ VARIANTS = {
         num_kv_heads=2,
         norm_type="rmsnorm",
     ),
+    "blockwise_attention": TINY.replace(attention_implementation="blockwise"),
     "learned_untied": TINY.replace(
         position="learned",
         share_embeddings=False,
@@ -155,7 +156,7 @@ def test_cached_decoding_equals_full_forward(seq2seq):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_three_models_shapes_dtypes_jit_grad(dtype):
-    cfg = TINY.replace(dtype=dtype, num_classes=3)
+    cfg = TINY.replace(dtype=dtype, num_classes=3, num_encoder_layers=1, num_decoder_layers=1)
     rng = np.random.default_rng(2)
     x = tokens(rng, 2, 7, cfg.vocab_size, pad_from=[7, 3])
     y = tokens(rng, 2, 5, cfg.vocab_size)
