@@ -32,7 +32,9 @@ format: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) bench/run.py
+	$(PY) bench/train_step.py
+	$(PY) bench/decode.py
+	$(PY) bench/attention_memory.py
 
 clean:
 	rm -rf $(VENV) runs

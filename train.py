@@ -27,7 +27,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flaxformer_lite import losses, optim, sharding, tasks
+from flaxformer_lite import flops, losses, optim, sharding, tasks
 from flaxformer_lite.checkpoints import Checkpointer
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import generate
@@ -179,6 +179,22 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
         f"{prefix}/accuracy": sums["correct"] / count,
         f"{prefix}/perplexity": float(np.exp(min(sums["nll"] / count, 50.0))),
     }
+
+
+def batch_train_flops(kind: str, cfg: TransformerConfig, batch) -> float:
+    """Analytic forward + backward matmul FLOPs of one global batch (see flops.py)."""
+    src = batch["inputs"].shape[1] if kind != "lm" else 0
+    tgt = batch["targets"].shape[1] if kind != "classification" else 0
+    return flops.train_flops(
+        batch=batch["inputs" if kind != "lm" else "targets"].shape[0],
+        src_len=src,
+        tgt_len=tgt,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        encoder_layers=cfg.num_encoder_layers if kind != "lm" else 0,
+        decoder_layers=cfg.num_decoder_layers if kind != "classification" else 0,
+        vocab=cfg.output_vocab_size,
+    )
 
 
 # ----------------------------------------------------------------------------- decoding eval
@@ -358,6 +374,10 @@ def train_and_evaluate(
     pending: list[tuple[int, dict]] = []  # device metrics, fetched at log time (no per-step sync)
     eval_metrics: dict[str, float] = {}
     last_log_time, last_log_step = time.time(), start_step
+    # MFU: analytic model FLOPs of the steps since the last log over this machine's measured
+    # matmul peak (per device, times the device count).
+    peak = flops.matmul_peak_flops(dtype=cfg.compute_dtype) * jax.device_count()
+    step_flops = {"sum": 0.0}
     from tqdm import tqdm
 
     bar = tqdm(
@@ -387,9 +407,13 @@ def train_and_evaluate(
         metrics["train/learning_rate"] = float(fetched[-1][1]["learning_rate"])
         metrics["train/grad_norm"] = float(np.mean([m["grad_norm"] for _, m in fetched]))
         metrics["train/tokens_per_second"] = totals["count"] / max(elapsed, 1e-9)
+        metrics["train/mfu"] = step_flops["sum"] / max(elapsed, 1e-9) / peak
+        step_flops["sum"] = 0.0
         writer.write(step, metrics)
         bar.set_postfix(
-            loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['train/tokens_per_second']:.0f}"
+            loss=f"{metrics['train/loss']:.3f}",
+            tok_s=f"{metrics['train/tokens_per_second']:.0f}",
+            mfu=f"{100 * metrics['train/mfu']:.0f}%",
         )
         last_log_time, last_log_step = time.time(), step
 
@@ -403,6 +427,7 @@ def train_and_evaluate(
                 batch = sharding.host_local_to_global(task.train.next(), mesh)
                 state, metrics = step_fn(state, batch)
                 pending.append((step + 1, metrics))
+                step_flops["sum"] += batch_train_flops(task.kind, cfg, batch)
                 bar.update(1)
                 done = step + 1
                 if done % config.log_every == 0:
