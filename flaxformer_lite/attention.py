@@ -25,14 +25,12 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.blockwise import blockwise_attention
-
 Array = jax.Array
 Implementation = Literal["xla", "cudnn", "blockwise"]
 IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
 
 
-def _check_shapes(query: Array, key: Array, value: Array) -> None:
+def check_shapes(query: Array, key: Array, value: Array) -> None:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim != 4:
             raise ValueError(
@@ -83,7 +81,7 @@ def attention_weights(
     finite float32 (a literal like -1e9 overflows in float16 and is not exact in bfloat16). A query
     row with nothing allowed gets all-zero weights, so its output is zero and its gradient finite.
     """
-    _check_shapes(query, key, key)
+    check_shapes(query, key, key)
     heads, kv_heads = query.shape[2], key.shape[2]
     q = _group_heads(query, kv_heads)  # [b, q, kvh, g, d]
     scale = jnp.asarray(query.shape[-1] ** -0.5, query.dtype)
@@ -163,7 +161,7 @@ def dot_product_attention(
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1); got {dropout_rate}")
-    _check_shapes(query, key, value)
+    check_shapes(query, key, value)
     use_dropout = dropout_rate > 0.0 and not deterministic
     if use_dropout and dropout_rng is None:
         raise ValueError("dropout_rng is required when dropout_rate > 0 and deterministic=False")
@@ -179,6 +177,9 @@ def dot_product_attention(
                 "return_weights; use implementation='xla'"
             )
         if implementation == "blockwise":
+            # Imported here: blockwise.py reuses this module's shape checks.
+            from flaxformer_lite.blockwise import blockwise_attention
+
             return blockwise_attention(query, key, value, mask, bias)
         return _cudnn_attention(query, key, value, mask, bias)
 

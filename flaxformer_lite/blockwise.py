@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flaxformer_lite.attention import check_shapes
+
 Array = jax.Array
 
 DEFAULT_QUERY_BLOCK = 512
@@ -55,27 +57,6 @@ class _Config(NamedTuple):
     kv_len: int  # real (unpadded) number of keys; padded keys are masked by index
     causal: bool
     causal_offset: int  # query i may see key j iff j <= i + causal_offset
-
-
-def _check_shapes(query: Array, key: Array, value: Array) -> None:
-    # A copy of attention._check_shapes, so attention.py can import this module at its top level
-    # (to route implementation="blockwise") without a circular import.
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.ndim != 4:
-            raise ValueError(
-                f"{name} must be [batch, length, heads, head_dim] (rank 4); got shape {x.shape}"
-            )
-    if key.shape != value.shape:
-        raise ValueError(f"key and value shapes must match; got {key.shape} and {value.shape}")
-    if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
-        raise ValueError(
-            "query and key must share batch and head_dim; "
-            f"got query {query.shape} and key {key.shape}"
-        )
-    if query.shape[2] % key.shape[2]:
-        raise ValueError(
-            f"query heads ({query.shape[2]}) must be a multiple of key/value heads ({key.shape[2]})"
-        )
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -408,7 +389,7 @@ def blockwise_attention(
     if query_block < 1 or key_block < 1:
         raise ValueError(f"block sizes must be >= 1; got {query_block} and {key_block}")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    _check_shapes(query, key, value)
+    check_shapes(query, key, value)
     batch, q_len, heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     groups = heads // kv_heads
