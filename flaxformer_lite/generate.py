@@ -121,7 +121,7 @@ def generate(
     inputs: jax.Array,
     *,
     method: str = "greedy",
-    max_len: int = 64,
+    max_len: int | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
     temperature: float = 1.0,
@@ -137,7 +137,7 @@ def generate(
       inputs: int `[batch, src_len]`, padded with 0; rows may have different lengths.
       method: "greedy", "beam" (beam search, GNMT length penalty ``alpha``) or "sample"
         (temperature, top-k, top-p; needs ``rng``).
-      max_len: tokens to generate at most (EOS included).
+      max_len: tokens to generate at most (EOS included); None = ``config.max_len``.
 
     Returns:
       tokens int32 `[batch, max_len]` (EOS-terminated, PAD after EOS, no BOS) and scores
@@ -145,6 +145,7 @@ def generate(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    max_len = config.max_len if max_len is None else max_len
     model = EncoderDecoder(config)
     variables = {"params": params}
     batch_size = inputs.shape[0]
@@ -212,7 +213,7 @@ def continue_prompt(
     prompt: jax.Array,
     *,
     method: str = "greedy",
-    max_len: int = 64,
+    max_len: int | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
     temperature: float = 1.0,
@@ -223,13 +224,15 @@ def continue_prompt(
     """Continues prompts with a ``DecoderOnly`` language model.
 
     prompt: int `[batch, prompt_len]` without padding (BOS is prepended here). The prompt is
-    written into the cache in one call (prefill); then up to ``max_len`` tokens are generated.
+    written into the cache in one call (prefill); then up to ``max_len`` tokens are generated
+    (None: as many as ``config.max_len`` leaves after BOS and the prompt).
     Returns the continuation `[batch, max_len]` and scores `[batch]`.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
     model = DecoderOnly(config)
     batch_size, prompt_len = prompt.shape
+    max_len = config.max_len - prompt_len - 1 if max_len is None else max_len
     bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
     context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
     cache = init_cache(model, params, batch_size, prompt_len + 1 + max_len)

@@ -35,15 +35,21 @@ import numpy as np
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import METHODS, generate
 from flaxformer_lite.models import EncoderDecoder
+from flaxformer_lite.synthetic import SymbolVocabulary  # noqa: E402  (re-exported)
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
-FIRST_SYMBOL = 4  # the synthetic vocabulary's first symbol id (after pad, EOS, BOS, UNK)
-SPECIAL_PIECES = ("<pad>", "</s>", "<s>", "<unk>")
 # Source lengths are padded up to a multiple of this: few shapes, little padding.
 BUCKET = 16
 SEQ2SEQ_TASKS = ("synthetic", "translation")
 
-__all__ = ["BUCKET", "SymbolVocabulary", "Translator", "Vocabulary", "load_vocabularies"]
+__all__ = [
+    "BUCKET",
+    "SymbolVocabulary",
+    "Translator",
+    "Vocabulary",
+    "load_vocabularies",
+    "restore_params",
+]
 
 
 class Vocabulary(Protocol):
@@ -57,54 +63,6 @@ class Vocabulary(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def id_to_piece(self, ids: Iterable[int]) -> list[str]: ...
-
-
-class SymbolVocabulary:
-    """The synthetic task's vocabulary: one character per symbol, ids from 4 on.
-
-    Built from the ``symbols`` string saved in ``vocab.json`` (so the ids are exactly the
-    training ones). ``encode`` skips whitespace ("3 1 4" and "314" are the same input) and maps
-    characters outside the vocabulary to UNK, as SentencePiece does.
-    """
-
-    def __init__(self, symbols: str) -> None:
-        if not symbols or len(set(symbols)) != len(symbols):
-            raise ValueError(f"symbols must be distinct characters; got {symbols!r}")
-        self.symbols = symbols
-        self._ids = {c: FIRST_SYMBOL + i for i, c in enumerate(symbols)}
-
-    @property
-    def vocab_size(self) -> int:
-        return FIRST_SYMBOL + len(self.symbols)
-
-    def encode(self, text: str) -> list[int]:
-        return [self._ids.get(c, UNK_ID) for c in text if not c.isspace()]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Symbols up to the first EOS; PAD, BOS and UNK print nothing."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if FIRST_SYMBOL <= i < self.vocab_size:
-                out.append(self.symbols[i - FIRST_SYMBOL])
-        return "".join(out)
-
-    def id_to_piece(self, ids: Iterable[int]) -> list[str]:
-        pieces = []
-        for i in ids:
-            i = int(i)
-            if 0 <= i < FIRST_SYMBOL:
-                pieces.append(SPECIAL_PIECES[i])
-            elif i < self.vocab_size:
-                pieces.append(self.symbols[i - FIRST_SYMBOL])
-            else:
-                pieces.append(SPECIAL_PIECES[UNK_ID])
-        return pieces
-
-    def __repr__(self) -> str:
-        return f"SymbolVocabulary(symbols={self.symbols!r})"
 
 
 def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
@@ -261,7 +219,6 @@ class Translator:
         self.name = name
         # On the device once, not at every call.
         self.params = jax.device_put(params)
-        self.model = EncoderDecoder(config)
 
     # ------------------------------------------------------------------ loading
 
@@ -286,8 +243,11 @@ class Translator:
         config_path = os.path.join(workdir, "model_config.json")
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"no model_config.json in {workdir}: is it a train.py workdir?")
-        with open(config_path) as f:
-            config = TransformerConfig.from_json(f.read())
+        try:
+            with open(config_path) as f:
+                config = TransformerConfig.from_json(f.read())
+        except ValueError as e:  # also json.JSONDecodeError
+            raise ValueError(f"invalid {config_path}: {e}") from e
         run: dict[str, Any] = {}
         run_path = os.path.join(workdir, "config.json")
         if os.path.isfile(run_path):
@@ -330,8 +290,8 @@ class Translator:
             config,
             source_vocab,
             target_vocab,
-            beam_size=int(run.get("beam_size", 4)),
-            alpha=float(run.get("alpha", 0.6)),
+            beam_size=int(run.get("beam_size") or 4),
+            alpha=float(0.6 if run.get("alpha") is None else run["alpha"]),
             name=f"{workdir} (step {step})",
         )
 
@@ -425,8 +385,8 @@ class Translator:
           beam_size, alpha: beam search width and GNMT length penalty; None = the
             translator's defaults (the run's ``config.json``, else 4 and 0.6).
           batch_size: most sentences per decoding call. Every call of one ``translate`` uses
-            the same row count: ``batch_size``, or the next power of two above the number of
-            sentences when there are fewer (so one short input does not pay for 64 rows).
+            the same row count: ``batch_size``, or the next power of two at or above the number
+            of sentences when there are fewer (so one short input does not pay for 64 rows).
           max_len: most tokens to generate; None = ``min(model max_len, 1.5 * source + 10)``.
           temperature, top_k, top_p: sampling filters (method="sample").
           seed: sampling key (batch i uses ``fold_in(key(seed), i)``): same seed, same output.
@@ -443,6 +403,7 @@ class Translator:
         for name, value in (("beam_size", beam_size), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int; got {value!r}")
+        self._decode_len(1, max_len)  # validates max_len before any work
         sentences = list(sentences)
         ids, truncated = self.encode(sentences)
         self._warn_truncated(truncated, len(sentences))
@@ -475,7 +436,9 @@ class Translator:
                     temperature=temperature,
                     top_k=top_k,
                     top_p=top_p,
-                    rng=jax.random.fold_in(jax.random.key(seed), batch_index),
+                    rng=jax.random.fold_in(jax.random.key(seed), batch_index)
+                    if method == "sample"
+                    else None,
                 )
                 for row, i in enumerate(chunk):
                     outputs[i] = " ".join(self.target_vocab.decode(tokens[row].tolist()).split())
@@ -483,16 +446,37 @@ class Translator:
         return outputs
 
     def _generate(
-        self, inputs: np.ndarray, *, method: str, rng: jax.Array, **kw: Any
+        self,
+        inputs: np.ndarray,
+        *,
+        method: str,
+        max_len: int,
+        beam_size: int = 1,
+        alpha: float = 0.0,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        rng: jax.Array | None = None,
     ) -> np.ndarray:
         """Token ids `[rows, max_len]` (EOS then PAD) for source ids `[rows, src_len]`."""
+        # The options are static jit arguments: give the ones a method ignores fixed values,
+        # so that e.g. greedy with another beam_size does not compile again.
+        if method != "beam":
+            beam_size, alpha = 1, 0.0
+        if method != "sample":
+            temperature, top_k, top_p, rng = 1.0, 0, 1.0, None
         tokens, _ = generate(
             self.params,
             self.config,
             jnp.asarray(inputs),
             method=method,
-            rng=rng if method == "sample" else None,
-            **kw,
+            max_len=max_len,
+            beam_size=beam_size,
+            alpha=float(alpha),
+            temperature=float(temperature),
+            top_k=top_k,
+            top_p=float(top_p),
+            rng=rng,
         )
         return np.asarray(tokens)
 
@@ -524,15 +508,7 @@ class Translator:
             raise ValueError("attention() needs a non-empty text")
         source = np.asarray([ids[0]], np.int32)
         tokens = self._generate(
-            source,
-            method="greedy",
-            rng=jax.random.key(0),
-            max_len=self._decode_len(source.shape[1], max_len),
-            beam_size=1,
-            alpha=0.0,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
+            source, method="greedy", max_len=self._decode_len(source.shape[1], max_len)
         )[0]
         eos = np.flatnonzero(tokens == EOS_ID)
         target = tokens[: eos[0] + 1] if eos.size else tokens

@@ -104,8 +104,9 @@ class MultiHeadAttention(nn.Module):
     values in the "cache" collection: ``cached_key``/``cached_value`` `[batch, max_len, kv_heads,
     head_dim]` and a scalar ``cache_index``. Calling ``init`` with ``decode=True`` on inputs of
     length ``max_len`` allocates it. Each decode call appends its ``q_len`` new positions
-    (one token per step, or a whole prompt at once) and attends causally to everything cached,
-    so a step costs work proportional to the current length, not its square.
+    (one token per step, or a whole prompt at once) and attends causally to everything cached:
+    a step projects only its new positions and reads the fixed-size cache under a mask (fixed
+    shapes keep one compiled step), instead of re-running the whole prefix.
     """
 
     num_heads: int

@@ -11,37 +11,66 @@ Held-out examples are drawn from another seed and removed from training.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import numpy as np
 
 TASKS = ("reverse", "sort", "add")
-FIRST_SYMBOL = 4
+UNK_ID = 3
+FIRST_SYMBOL = 4  # after pad, EOS, BOS, UNK
+SPECIAL_PIECES = ("<pad>", "</s>", "<s>", "<unk>")
 PAD_ID, EOS_ID = 0, 1
 
 
-class SymbolVocab:
-    """Maps ids to printable symbols: digits, then letters; "+" for addition."""
+ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
 
-    def __init__(self, num_symbols: int) -> None:
-        alphabet = "0123456789abcdefghijklmnopqrstuvwxyz+"
-        if num_symbols > len(alphabet):
-            raise ValueError(f"num_symbols must be <= {len(alphabet)}; got {num_symbols}")
-        self.symbols = alphabet[:num_symbols]
-        self.vocab_size = FIRST_SYMBOL + num_symbols
 
-    def decode(self, ids: Sequence[int]) -> str:
+class SymbolVocabulary:
+    """The synthetic task's vocabulary: one character per symbol, ids from 4 on.
+
+    Built from the ``symbols`` string saved in ``vocab.json`` (so the ids are exactly the
+    training ones). ``encode`` skips whitespace ("3 1 4" and "314" are the same input) and maps
+    characters outside the vocabulary to UNK, as SentencePiece does.
+    """
+
+    def __init__(self, symbols: str) -> None:
+        if not symbols or len(set(symbols)) != len(symbols):
+            raise ValueError(f"symbols must be distinct characters; got {symbols!r}")
+        self.symbols = symbols
+        self._ids = {c: FIRST_SYMBOL + i for i, c in enumerate(symbols)}
+
+    @property
+    def vocab_size(self) -> int:
+        return FIRST_SYMBOL + len(self.symbols)
+
+    def encode(self, text: str) -> list[int]:
+        return [self._ids.get(c, UNK_ID) for c in text if not c.isspace()]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Symbols up to the first EOS; PAD, BOS and UNK print nothing."""
         out = []
         for i in ids:
             i = int(i)
             if i == EOS_ID:
                 break
-            if i >= FIRST_SYMBOL:
+            if FIRST_SYMBOL <= i < self.vocab_size:
                 out.append(self.symbols[i - FIRST_SYMBOL])
         return "".join(out)
 
-    def encode(self, text: str) -> list[int]:
-        return [FIRST_SYMBOL + self.symbols.index(c) for c in text]
+    def id_to_piece(self, ids: Iterable[int]) -> list[str]:
+        pieces = []
+        for i in ids:
+            i = int(i)
+            if 0 <= i < FIRST_SYMBOL:
+                pieces.append(SPECIAL_PIECES[i])
+            elif i < self.vocab_size:
+                pieces.append(self.symbols[i - FIRST_SYMBOL])
+            else:
+                pieces.append(SPECIAL_PIECES[UNK_ID])
+        return pieces
+
+    def __repr__(self) -> str:
+        return f"SymbolVocabulary(symbols={self.symbols!r})"
 
 
 class SyntheticTask:
@@ -56,7 +85,9 @@ class SyntheticTask:
             raise ValueError("the 'add' task uses num_symbols=10 (decimal digits)")
         self.task, self.min_len, self.max_len = task, min_len, max_len
         self.num_symbols = num_symbols
-        self.vocab = SymbolVocab(num_symbols + (1 if task == "add" else 0))
+        if num_symbols > len(ALPHABET):
+            raise ValueError(f"num_symbols must be <= {len(ALPHABET)}; got {num_symbols}")
+        self.vocab = SymbolVocabulary(ALPHABET[:num_symbols] + ("+" if task == "add" else ""))
         # Lengths include EOS. Addition: a + b has at most max_len + 1 digits.
         self.input_len = (2 * max_len + 1 if task == "add" else max_len) + 1
         self.target_len = (max_len + 1 if task == "add" else max_len) + 1

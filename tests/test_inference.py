@@ -1,0 +1,300 @@
+"""Inference from a training workdir: Translator, the translate / evaluate / attention_maps CLIs.
+
+One tiny synthetic run (reverse digit strings) is trained once for the module, with the
+top-level ``train.py``; every test reads its workdir. The model barely learns in that time:
+the tests check the plumbing (order, empty lines, truncation, errors, files), not quality.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+from flaxformer_lite import attention_maps, evaluate, translate  # noqa: E402
+from flaxformer_lite.inference import SymbolVocabulary, Translator  # noqa: E402
+
+# Four non-empty lines (one compiled shape for every translate call below: 4 rows, and sources
+# padded to the model's max_len of 7), two empty ones, in an order that sorting would change.
+LINES = ["3141", "", "27", "   ", "5 5 0 1 9", "9"]
+
+
+def tiny_config(steps: int = 40):
+    spec = importlib.util.spec_from_file_location("default", ROOT / "configs" / "default.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.synthetic.update(min_len=2, max_len=6, num_eval=16)
+    c.model = dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1, num_decoder_layers=1)
+    c.batch_size = 16
+    c.num_train_steps = steps
+    c.learning_rate = 1e-2
+    c.warmup_steps = 10
+    c.log_every = 20
+    c.eval_every = 0
+    c.checkpoint_every = 20  # two checkpoints: steps 20 and 40
+    c.decode_eval = False  # no decoding compile during training: the tests decode
+    return c
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("synthetic_run")
+    train.train_and_evaluate(tiny_config(), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def translator(workdir) -> Translator:
+    return Translator.from_workdir(str(workdir))
+
+
+def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", f"flaxformer_lite.{module}", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+# ----------------------------------------------------------------------------- Translator
+
+
+def test_from_workdir_loads_the_latest_or_a_given_step(workdir, translator):
+    assert "step 40" in translator.name
+    assert isinstance(translator.source_vocab, SymbolVocabulary)
+    assert translator.source_vocab.symbols == "0123456789"
+    earlier = Translator.from_workdir(str(workdir), step=20)
+    assert "step 20" in earlier.name
+    a = jax.tree_util.tree_leaves(translator.params)
+    b = jax.tree_util.tree_leaves(earlier.params)
+    assert len(a) == len(b) and not all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    with pytest.raises(FileNotFoundError, match=r"step 30 .*\[20, 40\]"):
+        Translator.from_workdir(str(workdir), step=30)
+
+
+def test_translate_keeps_order_and_empty_lines(translator):
+    outputs = translator.translate(LINES)
+    assert len(outputs) == len(LINES)
+    assert outputs[1] == "" and outputs[3] == ""
+    assert all(set(out) <= set("0123456789") for out in outputs)
+    # Input order: each line translated alone gives the same output as in the batch.
+    alone = [translator.translate([line] * 4)[0] for line in LINES]
+    assert alone == outputs
+
+
+def test_sampling_is_reproducible_by_seed(translator):
+    lines = [line for line in LINES if line.strip()]
+    first = translator.translate(lines, method="sample", temperature=2.0, seed=5)
+    assert translator.translate(lines, method="sample", temperature=2.0, seed=5) == first
+    assert len(first) == len(lines)
+
+
+def test_over_long_inputs_are_truncated_with_one_warning(translator):
+    lines = ["3141", "123456789", "12", "9876543210"]  # max_len 7: 6 symbols + EOS
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = translator.translate(lines)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 1, messages
+    assert "2 of 4 input lines" in messages[0] and "truncated" in messages[0]
+    assert len(outputs) == 4
+    # A truncated line is translated as its first max_len - 1 symbols.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert translator.translate(["123456"] * 4)[0] == outputs[1]
+
+
+def test_translate_rejects_bad_arguments(translator):
+    with pytest.raises(ValueError, match="method"):
+        translator.translate(["1"], method="nucleus")
+    with pytest.raises(ValueError, match="beam_size"):
+        translator.translate(["1"], beam_size=0)
+    with pytest.raises(ValueError, match="max_len"):
+        translator.translate(["1"], max_len=1000)
+
+
+def test_attention_weights_cover_every_layer_and_head(translator):
+    maps = translator.attention("3141")
+    src, tgt = len(maps["source_pieces"]), len(maps["target_pieces"])
+    assert maps["source_pieces"] == ["3", "1", "4", "1", "</s>"]
+    assert maps["decoder_input_pieces"][0] == "<s>"
+    assert maps["encoder_self"].shape == (1, 2, src, src)
+    assert maps["decoder_self"].shape == (1, 2, tgt, tgt)
+    assert maps["encoder_decoder"].shape == (1, 2, tgt, src)
+    for key in ("encoder_self", "decoder_self", "encoder_decoder"):
+        np.testing.assert_allclose(maps[key].sum(-1), 1.0, rtol=1e-5)
+    # Causal: decoder position t never looks at later positions.
+    assert np.all(np.triu(maps["decoder_self"][0, 0], k=1) == 0)
+    assert maps["translation"] == "".join(p for p in maps["target_pieces"] if p != "</s>")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_workdir_without_checkpoint_names_the_directory(workdir, tmp_path):
+    empty = tmp_path / "no_checkpoint"
+    empty.mkdir()
+    for name in ("model_config.json", "config.json", "vocab.json"):
+        shutil.copy(workdir / name, empty / name)
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint in {empty}"):
+        Translator.from_workdir(str(empty))
+    with pytest.raises(FileNotFoundError, match="model_config.json"):
+        Translator.from_workdir(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Translator.from_workdir(str(tmp_path / "missing"))
+
+
+def test_checkpoint_that_does_not_match_model_config_is_reported(workdir, tmp_path):
+    other = tmp_path / "mismatch"
+    shutil.copytree(workdir, other, ignore=shutil.ignore_patterns("tensorboard"))
+    config = json.loads((other / "model_config.json").read_text())
+    config["d_ff"] = 48
+    (other / "model_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"does not match.*mlp/wi/kernel.*\(32, 64\).*\(32, 48\)"):
+        Translator.from_workdir(str(other))
+    config["d_ff"], config["vocab_size"] = 64, 20
+    (other / "model_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="vocabulary .* 14 entries .* 20"):
+        Translator.from_workdir(str(other))
+
+
+# ----------------------------------------------------------------------------- CLIs
+
+
+def test_translate_cli_round_trips_a_file(workdir, translator, tmp_path):
+    source, output = tmp_path / "input.txt", tmp_path / "output.txt"
+    source.write_text("\n".join(LINES) + "\n")
+    result = run_cli(
+        "translate", "--workdir", str(workdir), "--input", str(source), "--output", str(output)
+    )
+    assert result.returncode == 0, result.stderr
+    lines = output.read_text().split("\n")
+    assert lines[-1] == ""  # newline-terminated
+    assert lines[:-1] == translator.translate(LINES)
+
+
+def test_translate_cli_help_and_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        translate.main(["--help"])
+    assert exit_info.value.code == 0 and "--beam_size" in capsys.readouterr().out
+    assert translate.main(["--workdir", "/nonexistent/run"]) == 2
+    assert "/nonexistent/run" in capsys.readouterr().err
+
+
+def test_evaluate_cli_prints_bleu_with_signature(workdir, translator, tmp_path, capsys):
+    source, reference, hyps = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "hyp.txt"
+    sentences = [line for line in LINES if line.strip()]
+    source.write_text("\n".join(sentences) + "\n")
+    reference.write_text("\n".join(s.replace(" ", "")[::-1] for s in sentences) + "\n")
+    code = evaluate.main(
+        [
+            "--workdir",
+            str(workdir),
+            "--source",
+            str(source),
+            "--reference",
+            str(reference),
+            "--output",
+            str(hyps),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "cased:      BLEU = " in out and "lowercased: BLEU = " in out
+    assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in out
+    assert "case:lc" in out
+    assert hyps.read_text().split("\n")[:-1] == translator.translate(sentences)
+
+
+def test_attention_maps_cli_writes_pngs(workdir, tmp_path, capsys):
+    out_dir = tmp_path / "maps"
+    code = attention_maps.main(["--workdir", str(workdir), "--text", "3141", "--out", str(out_dir)])
+    assert code == 0
+    names = sorted(os.listdir(out_dir))
+    assert names == [
+        "decoder_self_layer0.png",
+        "encoder_decoder_layer0.png",
+        "encoder_self_layer0.png",
+    ]
+    for name in names:
+        assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "translation:" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- SentencePiece
+
+
+CORPUS = [
+    "A man rides a bike down the street.",
+    "Two dogs play in the snow.",
+    "A woman is reading a book in the park.",
+    "Children are playing football on the grass.",
+    "An old man sits on a bench.",
+    "A girl in a red dress is dancing.",
+] * 4
+
+
+@pytest.fixture(scope="module")
+def spm_workdir(tmp_path_factory) -> Path:
+    """A translation-style workdir written by hand: shared SentencePiece model, config files
+    and an Orbax checkpoint of a train state with random parameters (the layout train.py
+    writes), so the SentencePiece path is tested without a translation training run."""
+    from flaxformer_lite.checkpoints import Checkpointer
+    from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("spm_run")
+    tokenizer = Tokenizer.train(CORPUS, str(path / "spm_shared.model"), 48, num_threads=1)
+    config = TransformerConfig(
+        vocab_size=tokenizer.vocab_size,
+        d_model=16,
+        num_heads=2,
+        d_ff=32,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dropout_rate=0.0,
+        max_len=24,
+    )
+    (path / "model_config.json").write_text(config.to_json())
+    (path / "config.json").write_text(json.dumps({"task": "translation", "beam_size": 2}))
+    # numpy draws instead of model.init: no compile needed for random weights.
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map(
+        lambda s: rng.normal(0.0, 0.3, s.shape).astype(s.dtype),
+        Translator.abstract_params(config),
+    )
+    state = {"step": np.int32(7), "params": params, "opt_state": {"mu": params}}
+    checkpointer = Checkpointer(str(path / "checkpoints"), async_save=False)
+    checkpointer.save(7, state, {"train": {"index": 7}}, force=True)
+    checkpointer.close()
+    return path
+
+
+def test_sentencepiece_workdir_translates_and_labels_pieces(spm_workdir):
+    translator = Translator.from_workdir(str(spm_workdir))
+    assert translator.beam_size == 2  # from the run's config.json
+    outputs = translator.translate(
+        ["A man reads a book.", "", "Two dogs\tdance  in the park."], method="greedy", max_len=8
+    )
+    assert len(outputs) == 3 and outputs[1] == ""
+    assert all(isinstance(out, str) and "\n" not in out for out in outputs)
+    maps = translator.attention("A man reads a book.", max_len=8)
+    assert maps["source_pieces"][0].startswith("\u2581")  # SentencePiece word-start marker
+    assert maps["source_pieces"][-1] == "</s>"
+    assert maps["encoder_decoder"].shape[-1] == len(maps["source_pieces"])
