@@ -395,11 +395,11 @@ class EncoderLayer(nn.Module):
         self,
         x: Array,
         mask: Array | None,
-        *,
         positions: Array | None = None,
         deterministic: bool = True,
         return_weights: bool = False,
     ):
+        # Positional (not keyword-only) so that nn.remat can mark the flags static.
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
@@ -443,12 +443,12 @@ class DecoderLayer(nn.Module):
         encoded: Array | None,
         self_mask: Array | None,
         cross_mask: Array | None,
-        *,
         positions: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
         return_weights: bool = False,
     ):
+        # Positional (not keyword-only) so that nn.remat can mark the flags static.
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)

@@ -115,13 +115,8 @@ class Encoder(nn.Module):
             mask = combine_masks(mask, segment_mask(inputs_segmentation, inputs_segmentation))
         weights = []
         for i in range(cfg.num_encoder_layers):
-            x = EncoderLayer(cfg, name=f"layers_{i}")(
-                x,
-                mask,
-                positions=positions,
-                deterministic=deterministic,
-                return_weights=return_weights,
-            )
+            layer = nn.remat(EncoderLayer, static_argnums=(4, 5)) if cfg.remat else EncoderLayer
+            x = layer(cfg, name=f"layers_{i}")(x, mask, positions, deterministic, return_weights)
             if return_weights:
                 x, w = x
                 weights.append(w)
@@ -195,15 +190,10 @@ class Decoder(nn.Module):
         )
         weights = []
         for i in range(cfg.num_decoder_layers):
-            x = DecoderLayer(cfg, cross_attention=self.cross_attention, name=f"layers_{i}")(
-                x,
-                encoded,
-                self_mask,
-                cross_mask,
-                positions=positions,
-                deterministic=deterministic,
-                decode=decode,
-                return_weights=return_weights,
+            layer = (nn.remat(DecoderLayer, static_argnums=(6, 7, 8)) if cfg.remat
+                     else DecoderLayer)  # fmt: skip
+            x = layer(cfg, cross_attention=self.cross_attention, name=f"layers_{i}")(
+                x, encoded, self_mask, cross_mask, positions, deterministic, decode, return_weights
             )
             if return_weights:
                 x, w = x

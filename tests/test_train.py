@@ -87,32 +87,32 @@ def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path):
     assert metrics["eval/loss"] == evals[-1]["eval/loss"]
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [20, 30, 40]  # keep_checkpoints=3
-    assert (tmp_path / "model_config.json").exists() and (tmp_path / "config.json").exists()
+    saved = json.loads((tmp_path / "model_config.json").read_text())
+    assert saved["d_model"] == 32 and saved["vocab_size"] == 14  # 4 specials + 10 digits
+    assert json.loads((tmp_path / "config.json").read_text())["task"] == "synthetic"
     assert (tmp_path / "vocab.json").exists()
     assert any((tmp_path / "tensorboard").iterdir())
 
 
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
-    config = tiny_config(num_train_steps=12, eval_every=0, checkpoint_every=100, log_every=4)
+    config = tiny_config(num_train_steps=8, eval_every=0, checkpoint_every=100, log_every=4)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train.train_and_evaluate(config, str(straight))
-    train.train_and_evaluate(config, str(resumed), stop_at=6)
+    train.train_and_evaluate(config, str(resumed), stop_at=4)
     state_half, data_half = final_params(resumed)
-    assert int(state_half["step"]) == 6 and data_half["train"] == {"index": 6}
+    assert int(state_half["step"]) == 4 and data_half["train"] == {"index": 4}
     train.train_and_evaluate(config, str(resumed))
     a, _ = final_params(straight)
     b, data = final_params(resumed)
-    assert int(a["step"]) == int(b["step"]) == 12 and data["train"] == {"index": 12}
+    assert int(a["step"]) == int(b["step"]) == 8 and data["train"] == {"index": 8}
     leaves_a = jax.tree_util.tree_leaves(a)
     leaves_b = jax.tree_util.tree_leaves(b)
     assert len(leaves_a) == len(leaves_b) > 10
     for x, y in zip(leaves_a, leaves_b, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    # And training really moved the parameters (the comparison is not vacuous).
-    assert not np.array_equal(
-        np.asarray(leaves_a[-1]),
-        np.asarray(state_half["params"]["decoder"]["layers_0"]["mlp"]["wo"]["kernel"]),
-    )
+    # And the second half really moved the parameters (the comparison is not vacuous).
+    kernel = lambda s: np.asarray(s["params"]["decoder"]["layers_0"]["mlp"]["wo"]["kernel"])  # noqa: E731
+    assert np.abs(kernel(b) - kernel(state_half)).max() > 1e-5
 
 
 def _train_cmd(workdir: Path, steps: int) -> list[str]:
@@ -300,10 +300,10 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_last_good_checkpoint(tmp_p
     lines = read_metrics(str(tmp_path / "stop"))
     assert all(np.isfinite(m["train/loss"]) for m in lines)
     config.skip_nonfinite_steps = True
-    config.num_train_steps = 6
+    config.num_train_steps = 4
     train.train_and_evaluate(config, str(tmp_path / "skip"))
     state, _ = final_params(tmp_path / "skip")
-    assert int(state["step"]) == 6
+    assert int(state["step"]) == 4
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state["params"]))
 
 
@@ -316,11 +316,3 @@ def test_bad_config_values_name_the_field(tmp_path):
     bad_model.model["num_heads"] = 3
     with pytest.raises(ValueError, match="d_model"):
         train.train_and_evaluate(bad_model, str(tmp_path / "c"))
-
-
-def test_config_json_written(tmp_path):
-    train.train_and_evaluate(
-        tiny_config(num_train_steps=2, eval_every=0, log_every=1), str(tmp_path)
-    )
-    saved = json.loads((tmp_path / "model_config.json").read_text())
-    assert saved["d_model"] == 32 and saved["vocab_size"] == 14
