@@ -32,9 +32,7 @@ format: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) bench/train_step.py
-	$(PY) bench/decode.py
-	$(PY) bench/attention_memory.py
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
