@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxformer_lite import flops, losses, optim, sharding, tasks
 from flaxformer_lite.checkpoints import Checkpointer
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.generate import generate
+from flaxformer_lite.generate import continue_prompt, generate
 from flaxformer_lite.metrics import MetricWriter
 from flaxformer_lite.models import DecoderOnly, EncoderClassifier, EncoderDecoder
 
@@ -249,6 +249,20 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dic
     return {"eval/bleu": bleu.score}, examples
 
 
+def lm_sample(task: tasks.Task, params, cfg: TransformerConfig, step: int) -> str:
+    """A sampled continuation (temperature 0.8) of the first held-out window's opening."""
+    prompt = np.asarray(task.eval_batches[0]["targets"][:1, :32])
+    tokens, _ = continue_prompt(
+        params, cfg, jnp.asarray(prompt), method="sample", temperature=0.8,
+        max_len=cfg.max_len - prompt.shape[1] - 1, rng=jax.random.key(step),
+    )  # fmt: skip
+    return (
+        task.detokenize(prompt[0].tolist())
+        + " || "
+        + task.detokenize(np.asarray(tokens)[0].tolist())
+    )
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -361,6 +375,8 @@ def train_and_evaluate(
             metrics.update(decoded)
             for src, hyp, ref in examples:
                 log(f"  {src!r} -> {hyp!r} (reference {ref!r})")
+        if task.kind == "lm" and config.decode_eval:
+            log(f"  sample: {lm_sample(task, state.params, cfg, step)!r}")
         writer.write(step, metrics)
         log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics

@@ -41,5 +41,6 @@ def get_config():
     c.log_every = 50
     c.eval_every = 500
     c.checkpoint_every = 500
-    c.decode_eval = False
+    c.decode_eval = True  # print a sampled continuation at each evaluation
+    c.label_smoothing = 0.0  # perplexity is the metric of a language model
     return c
