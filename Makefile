@@ -20,7 +20,7 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n 2 --durations=10
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

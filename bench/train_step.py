@@ -1,7 +1,8 @@
 """Training-step speed: flaxformer_lite against PyTorch ``nn.Transformer``, interleaved.
 
 Both models have the same size (shared embedding tied to the output projection, sinusoidal
-positions, post-LN, ReLU, dropout 0.1, label smoothing 0.1, Adam), the same batch of random
+positions, post-LN, ReLU, residual and attention dropout 0.1 as nn.Transformer applies it,
+label smoothing 0.1, Adam), the same batch of random
 tokens and the same float32 arithmetic; each step is forward + backward + Adam update. The two
 are timed in alternating rounds in one process so that machine load hits both alike. Reports
 target tokens per second, their ratio, compile time, and MFU: analytic model FLOPs per second
@@ -59,7 +60,7 @@ def ours_step(spec, **overrides):
     cfg = TransformerConfig(
         vocab_size=spec["vocab"], d_model=spec["d_model"], num_heads=spec["num_heads"],
         d_ff=spec["d_ff"], num_encoder_layers=spec["layers"], num_decoder_layers=spec["layers"],
-        dropout_rate=0.1, max_len=spec["length"], **overrides,
+        dropout_rate=0.1, attention_dropout_rate=0.1, max_len=spec["length"], **overrides,
     )  # fmt: skip
     model = EncoderDecoder(cfg)
     tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
