@@ -38,6 +38,7 @@ def get_config():
         num_encoder_layers=6,
         num_decoder_layers=6,
         dropout_rate=0.1,
+        dtype="auto",  # bfloat16 compute on TPU/GPU, float32 on CPU
     )
     c.schedule = "noam"
     c.learning_rate = 1.0

@@ -316,3 +316,15 @@ def test_bad_config_values_name_the_field(tmp_path):
     bad_model.model["num_heads"] = 3
     with pytest.raises(ValueError, match="d_model"):
         train.train_and_evaluate(bad_model, str(tmp_path / "c"))
+
+
+def test_auto_dtype_resolves_by_backend():
+    from flaxformer_lite.tasks import Task
+
+    task = Task(kind="synthetic", train=None, eval_batches=[], vocab_size=20,
+                target_vocab_size=None, max_len=8)  # fmt: skip
+    config = tiny_config()
+    config.model["dtype"] = "auto"
+    cfg = train.model_config(config, task)
+    assert cfg.dtype == ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    assert cfg.param_dtype == "float32" and cfg.vocab_size == 20
