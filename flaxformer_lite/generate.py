@@ -53,6 +53,25 @@ def init_cache(
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def _decoder_call(model: Any, params: Any, *context: Any):
+    """``tokens, cache -> (logits of the last position, new cache)`` through ``model.decode``
+    with ``decode=True``; ``context`` goes before the tokens (encoder output and source for an
+    EncoderDecoder, nothing for a DecoderOnly). Zero-length tokens only update the cache."""
+
+    def call(tokens: jax.Array, cache: Any) -> tuple[jax.Array | None, Any]:
+        logits, updated = model.apply(
+            {"params": params, "cache": cache},
+            *context,
+            tokens,
+            decode=True,
+            mutable=["cache"],
+            method=model.decode,
+        )
+        return (logits[:, -1] if tokens.shape[1] else None), updated["cache"]
+
+    return call
+
+
 def _search(
     method,
     tokens_to_logits,
@@ -146,52 +165,21 @@ def generate(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
     max_len = config.max_len if max_len is None else max_len
+    options = dict(
+        beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
+    )
     model = EncoderDecoder(config)
-    variables = {"params": params}
     batch_size = inputs.shape[0]
-    encoded = model.apply(variables, inputs, method=model.encode)
+    encoded = model.apply({"params": params}, inputs, method=model.encode)
     if method == "beam":  # beams of one source share its encoding: expand before priming
         encoded, inputs = decoding.expand_to_beams((encoded, inputs), beam_size)
     rows = inputs.shape[0]
     cache = init_cache(model, params, rows, max_len, inputs.shape[1])
     # A zero-length decoder call projects the encoder keys/values of every layer into the
     # cache once; the steps below pass encoded=None and project only their new position.
-    _, primed = model.apply(
-        {**variables, "cache": cache},
-        encoded,
-        inputs,
-        jnp.zeros((rows, 0), jnp.int32),
-        decode=True,
-        mutable=["cache"],
-        method=model.decode,
-    )
-
-    def tokens_to_logits(tokens, cache):
-        logits, updated = model.apply(
-            {**variables, "cache": cache},
-            None,
-            inputs,
-            tokens,
-            decode=True,
-            mutable=["cache"],
-            method=model.decode,
-        )
-        return logits[:, -1], updated["cache"]
-
-    return _search(
-        method,
-        tokens_to_logits,
-        primed["cache"],
-        batch_size,
-        max_len,
-        beam_size=beam_size,
-        alpha=alpha,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        rng=rng,
-        initial_tokens=None,
-    )
+    _, cache = _decoder_call(model, params, encoded, inputs)(jnp.zeros((rows, 0), jnp.int32), cache)
+    step = _decoder_call(model, params, None, inputs)
+    return _search(method, step, cache, batch_size, max_len, initial_tokens=None, **options)
 
 
 @functools.partial(
@@ -233,39 +221,14 @@ def continue_prompt(
     model = DecoderOnly(config)
     batch_size, prompt_len = prompt.shape
     max_len = config.max_len - prompt_len - 1 if max_len is None else max_len
+    options = dict(
+        beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
+    )
     bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
     context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
     cache = init_cache(model, params, batch_size, prompt_len + 1 + max_len)
-    variables = {"params": params}
-    _, updated = model.apply(
-        {**variables, "cache": cache},
-        context[:, :-1],
-        decode=True,
-        mutable=["cache"],
-        method=model.decode,
-    )
-
-    def tokens_to_logits(tokens, cache):
-        logits, new = model.apply(
-            {**variables, "cache": cache},
-            tokens,
-            decode=True,
-            mutable=["cache"],
-            method=model.decode,
-        )
-        return logits[:, -1], new["cache"]
-
+    _, cache = _decoder_call(model, params)(context[:, :-1], cache)  # prefill the prompt
+    step = _decoder_call(model, params)
     return _search(
-        method,
-        tokens_to_logits,
-        updated["cache"],
-        batch_size,
-        max_len,
-        beam_size=beam_size,
-        alpha=alpha,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        rng=rng,
-        initial_tokens=context[:, -1],
+        method, step, cache, batch_size, max_len, initial_tokens=context[:, -1], **options
     )
