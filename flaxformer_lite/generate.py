@@ -17,6 +17,17 @@ from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models import DecoderOnly, EncoderDecoder
 
 METHODS = ("greedy", "beam", "sample")
+# Shapes and Python-level choices: each distinct value compiles once.
+STATIC_ARGNAMES = (
+    "config",
+    "method",
+    "max_len",
+    "beam_size",
+    "alpha",
+    "temperature",
+    "top_k",
+    "top_p",
+)
 
 
 def init_cache(
@@ -121,19 +132,7 @@ def _search(
     return sequences[:, 0], scores[:, 0]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "config",
-        "method",
-        "max_len",
-        "beam_size",
-        "alpha",
-        "temperature",
-        "top_k",
-        "top_p",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def generate(
     params: Any,
     config: TransformerConfig,
@@ -182,19 +181,7 @@ def generate(
     return _search(method, step, cache, batch_size, max_len, initial_tokens=None, **options)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "config",
-        "method",
-        "max_len",
-        "beam_size",
-        "alpha",
-        "temperature",
-        "top_k",
-        "top_p",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def continue_prompt(
     params: Any,
     config: TransformerConfig,
