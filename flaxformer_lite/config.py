@@ -50,6 +50,17 @@ class TransformerConfig:
         "blockwise" (memory linear in length; no attention dropout).
       remat: recompute each layer's activations in the backward pass (jax.checkpoint) instead
         of storing them: less memory for deeper models or longer sequences, ~1/3 more compute.
+      scan_layers: build each layer stack with ``flax.linen.scan`` over one layer: the
+        parameters of layer i are row i of arrays stacked on a leading axis of size
+        num_*_layers (logical axis "layers", ``.../layers/...`` instead of ``layers_{i}``),
+        and one compiled layer body replaces N (faster compilation of deep models). Composes
+        with ``remat``. Cached decoding runs on the unrolled layout: ``generate`` and the
+        translator convert with ``models.unstack_layers``, which gives identical outputs.
+      fused_qkv: self-attention projects queries, keys and values with one kernel
+        `[embed, kv_heads, num_heads // kv_heads + 2, head_dim]` (each key/value head next to
+        its group of query heads, so tensor parallelism still splits heads) instead of three;
+        works with any num_kv_heads. Cross-attention keeps separate query and key/value
+        projections (its keys and values come from the encoder output).
       num_classes: labels of the EncoderClassifier head.
       pooling: how the classifier pools the encoder output ("mean" over real tokens, "first").
       pad_id: the padding token id in every input.
@@ -79,6 +90,8 @@ class TransformerConfig:
     param_dtype: str = "float32"
     attention_implementation: str = "xla"
     remat: bool = False
+    scan_layers: bool = False
+    fused_qkv: bool = False
     num_classes: int = 2
     pooling: str = "mean"
     pad_id: int = 0
@@ -111,6 +124,10 @@ class TransformerConfig:
                 f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        for name in ("scan_layers", "fused_qkv"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"TransformerConfig.{name} must be a bool; got {value!r}")
         for name in ("dropout_rate", "attention_dropout_rate"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:

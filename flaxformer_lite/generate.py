@@ -1,7 +1,9 @@
 """Batch inference: one jitted call from token ids to generated token ids.
 
 ``generate`` binds a model to the pure searches of ``decoding``: the encoder runs once per
-batch, the decoder runs one position per step against its key/value cache.
+batch, the decoder runs one position per step against its key/value cache. A ``scan_layers``
+model decodes as its unrolled equivalent (``models.unrolled``): the cache is one array per
+layer with the batch on axis 0, which beam search expands and gathers.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite import decoding
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.models import DecoderOnly, EncoderDecoder
+from flaxformer_lite.models import DecoderOnly, EncoderDecoder, unrolled
 
 METHODS = ("greedy", "beam", "sample")
 # Shapes and Python-level choices: each distinct value compiles once.
@@ -36,8 +38,12 @@ def init_cache(
     """A zero key/value cache for ``batch_size`` rows and ``max_len`` decoder positions.
 
     Only shapes are traced (``jax.eval_shape`` of a decoding call with ``params``): nothing
-    is computed and no parameter is initialised.
+    is computed and no parameter is initialised. For a ``scan_layers`` model the cache is that
+    of its unrolled equivalent (``models.unrolled``), the model that decodes with it.
     """
+    params, config = unrolled(params, model.config)
+    if config is not model.config:
+        model = type(model)(config)
     tokens = jnp.zeros((batch_size, max_len), jnp.int32)
     if isinstance(model, EncoderDecoder):
         encoded = jnp.zeros((batch_size, src_len or 1, model.config.d_model), model.config.dtype)
@@ -150,7 +156,8 @@ def generate(
     """Translates a batch of source token ids with an ``EncoderDecoder``.
 
     Args:
-      params: the model parameters (``variables["params"]``, boxed or not).
+      params: the model parameters (``variables["params"]``, boxed or not; stacked ones of a
+        ``scan_layers`` model are unstacked here).
       config: the model's TransformerConfig.
       inputs: int `[batch, src_len]`, padded with 0; rows may have different lengths.
       method: "greedy", "beam" (beam search, GNMT length penalty ``alpha``) or "sample"
@@ -163,6 +170,7 @@ def generate(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    params, config = unrolled(params, config)
     max_len = config.max_len if max_len is None else max_len
     options = dict(
         beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
@@ -205,6 +213,7 @@ def continue_prompt(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    params, config = unrolled(params, config)
     model = DecoderOnly(config)
     batch_size, prompt_len = prompt.shape
     max_len = config.max_len - prompt_len - 1 if max_len is None else max_len

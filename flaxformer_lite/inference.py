@@ -34,7 +34,7 @@ import numpy as np
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import METHODS, generate
-from flaxformer_lite.models import EncoderDecoder
+from flaxformer_lite.models import EncoderDecoder, unrolled
 from flaxformer_lite.synthetic import SymbolVocabulary  # noqa: E402  (re-exported)
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
@@ -198,6 +198,9 @@ class Translator:
       beam_size, alpha: defaults of :meth:`translate` (``from_workdir`` reads them from the
         run's ``config.json`` when it has them).
       name: where the model came from, for messages.
+
+    A ``scan_layers`` model is converted once, here, to its unrolled equivalent
+    (``models.unrolled``: same outputs), which ``config`` and ``params`` then hold.
     """
 
     def __init__(
@@ -211,6 +214,7 @@ class Translator:
         alpha: float = 0.6,
         name: str = "",
     ) -> None:
+        params, config = unrolled(params, config)
         self.config = config
         self.source_vocab = source_vocab
         self.target_vocab = source_vocab if target_vocab is None else target_vocab

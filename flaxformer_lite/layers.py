@@ -65,6 +65,63 @@ class HeadProjection(nn.Module):
         return y
 
 
+def _fused_qkv_init(
+    key: Array, shape: tuple[int, int, int, int], dtype: Dtype = jnp.float32
+) -> Array:
+    """A fused `[embed, kv_heads, group + 2, head_dim]` kernel whose query, key and value parts
+    are distributed as three separate ``HeadProjection`` kernels would be (Xavier-uniform over
+    `[embed, heads * head_dim]` for queries, `[embed, kv_heads * head_dim]` for keys/values)."""
+    embed, kv_heads, slots, head_dim = shape
+    group = slots - 2
+    init = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2))
+    rq, rk, rv = jax.random.split(key, 3)
+    query = init(rq, (embed, kv_heads * group, head_dim), dtype)
+    k, v = (init(r, (embed, kv_heads, head_dim), dtype)[:, :, None] for r in (rk, rv))
+    return jnp.concatenate([query.reshape(embed, kv_heads, group, head_dim), k, v], axis=2)
+
+
+class FusedQKVProjection(nn.Module):
+    """Self-attention's queries, keys and values from one matmul.
+
+    `[batch, len, features]` -> query `[batch, len, heads, head_dim]`, key and value
+    `[batch, len, kv_heads, head_dim]`. The kernel is `[embed, kv_heads, group + 2, head_dim]`
+    (``group = heads // kv_heads``): slot ``j < group`` of kv head ``g`` is query head
+    ``g * group + j`` (the grouping ``attention`` uses), slot ``group`` the key and slot
+    ``group + 1`` the value of kv head ``g``. Logical axes ("embed", "heads", None, "kv"):
+    tensor parallelism splits the kv heads, each device keeping whole query groups with their
+    keys and values. Multi-head attention is ``group = 1``: kernel `[embed, heads, 3, head_dim]`.
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> tuple[Array, Array, Array]:
+        group = self.heads // self.kv_heads
+        kernel = self.param(
+            "kernel",
+            _param_init(_fused_qkv_init, ("embed", "heads", None, "kv")),
+            (x.shape[-1], self.kv_heads, group + 2, self.head_dim),
+            self.param_dtype,
+        )
+        y = jnp.einsum("bld,dhsk->blhsk", x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                _param_init(_zeros, ("heads", None, "kv")),
+                (self.kv_heads, group + 2, self.head_dim),
+                self.param_dtype,
+            )
+            y = y + bias.astype(self.dtype)
+        b, length = y.shape[:2]
+        query = y[:, :, :, :group].reshape(b, length, self.heads, self.head_dim)
+        return query, y[:, :, :, group], y[:, :, :, group + 1]
+
+
 class OutputProjection(nn.Module):
     """`[batch, len, heads, head_dim]` -> `[batch, len, features]`, kernel `[heads, kv, embed]`."""
 
@@ -107,6 +164,10 @@ class MultiHeadAttention(nn.Module):
     (one token per step, or a whole prompt at once) and attends causally to everything cached:
     a step projects only its new positions and reads the fixed-size cache under a mask (fixed
     shapes keep one compiled step), instead of re-running the whole prefix.
+
+    ``fused_qkv=True`` projects self-attention queries, keys and values with one
+    ``FusedQKVProjection`` (parameters under "qkv" instead of "query"/"key"/"value");
+    cross-attention always keeps its separate projections.
     """
 
     num_heads: int
@@ -116,6 +177,7 @@ class MultiHeadAttention(nn.Module):
     use_bias: bool = True
     use_rotary: bool = False
     cross_attention: bool = False
+    fused_qkv: bool = False
     implementation: str = "xla"
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -129,6 +191,19 @@ class MultiHeadAttention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name=name,
+        )(x)
+
+    def _project_qkv(self, x: Array, kv_heads: int) -> tuple[Array, Array, Array]:
+        """`[batch, len, features]` -> query `[batch, len, heads, head_dim]`, key and value
+        `[batch, len, kv_heads, head_dim]`, from one fused kernel."""
+        return FusedQKVProjection(
+            self.num_heads,
+            kv_heads,
+            self.head_dim,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="qkv",
         )(x)
 
     @nn.compact
@@ -153,15 +228,18 @@ class MultiHeadAttention(nn.Module):
         features = inputs_q.shape[-1]
         kv_heads = self.num_kv_heads or self.num_heads
         self_attention = inputs_kv is None and not self.cross_attention
-        query = self._project(inputs_q, self.num_heads, "query")
-        if self.cross_attention and decode:
-            key, value = self._cross_cache(inputs_kv, kv_heads)
+        if self.fused_qkv and self_attention:
+            query, key, value = self._project_qkv(inputs_q, kv_heads)
         else:
-            if self.cross_attention and inputs_kv is None:
-                raise ValueError("cross-attention needs inputs_kv (the encoder output)")
-            kv_source = inputs_q if self_attention else inputs_kv
-            key = self._project(kv_source, kv_heads, "key")
-            value = self._project(kv_source, kv_heads, "value")
+            query = self._project(inputs_q, self.num_heads, "query")
+            if self.cross_attention and decode:
+                key, value = self._cross_cache(inputs_kv, kv_heads)
+            else:
+                if self.cross_attention and inputs_kv is None:
+                    raise ValueError("cross-attention needs inputs_kv (the encoder output)")
+                kv_source = inputs_q if self_attention else inputs_kv
+                key = self._project(kv_source, kv_heads, "key")
+                value = self._project(kv_source, kv_heads, "value")
 
         if decode and self_attention:
             key, value, mask, positions_q = self._update_cache(key, value, mask)
@@ -364,6 +442,7 @@ def _attention(config: TransformerConfig, name: str, *, cross: bool = False) -> 
         # live in different sequences, so it applies to self-attention only.
         use_rotary=config.position == "rotary" and not cross,
         cross_attention=cross,
+        fused_qkv=config.fused_qkv and not cross,
         implementation=config.attention_implementation,
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,

@@ -11,9 +11,19 @@ are already shifted; decoding loops use those.
 
 Packed rows (several examples in one row) pass ``*_segmentation`` (1..n per example, 0 on padding)
 and ``*_positions`` (restarting at 0 in each example).
+
+With ``config.scan_layers`` each layer stack is one ``nn.scan`` over a layer: parameters
+``encoder/layers/...`` and ``decoder/layers/...`` hold every layer stacked on a leading axis
+`[num_layers, ...]` (logical axis "layers") where the unrolled model has ``layers_0`` ...
+``layers_{N-1}``. ``unstack_layers`` converts the first layout into the second; cached decoding
+(``decode=True``) runs on the unrolled one (``unrolled`` gives its parameters and config).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -68,6 +78,130 @@ def _default_positions(tokens: Array) -> Array:
     return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
 
 
+# ----------------------------------------------------------------------------- scanned stacks
+
+
+class _ScannedEncoderLayer(EncoderLayer):
+    """One step of a scanned encoder stack: ``(x, mask, positions) -> (x, weights or None)``.
+
+    The Python flags are attributes, so ``nn.scan`` and ``nn.remat`` see only array arguments
+    (x carried, the rest broadcast to every layer). Parameters are named as in EncoderLayer.
+    """
+
+    deterministic: bool = True
+    return_weights: bool = False
+
+    def __call__(self, x: Array, mask: Array | None, positions: Array | None):
+        out = super().__call__(x, mask, positions, self.deterministic, self.return_weights)
+        x, weights = out if self.return_weights else (out, None)
+        return _constrain(x), weights
+
+
+class _ScannedDecoderLayer(DecoderLayer):
+    """One step of a scanned decoder stack:
+    ``(x, encoded, self_mask, cross_mask, positions) -> (x, weights or None)``.
+
+    No ``decode`` flag: the key/value cache is per layer, so decoding runs unrolled.
+    """
+
+    deterministic: bool = True
+    return_weights: bool = False
+
+    def __call__(
+        self,
+        x: Array,
+        encoded: Array | None,
+        self_mask: Array | None,
+        cross_mask: Array | None,
+        positions: Array | None,
+    ):
+        out = super().__call__(
+            x, encoded, self_mask, cross_mask, positions, self.deterministic, False,
+            self.return_weights,
+        )  # fmt: skip
+        x, weights = out if self.return_weights else (out, None)
+        return _constrain(x), weights
+
+
+def _scan_stack(layer: type[nn.Module], num_layers: int, num_broadcast: int, remat: bool):
+    """``nn.scan`` of ``layer`` over ``num_layers``: parameters stacked on a leading axis named
+    "layers", fresh params/dropout RNGs per layer, the hidden state carried, the other
+    ``num_broadcast`` arguments shared by every layer, per-layer outputs stacked on axis 0."""
+    if remat:
+        layer = nn.remat(layer, prevent_cse=False)  # inside a scan, CSE cannot undo the remat
+    return nn.scan(
+        layer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast,) * num_broadcast,
+        length=num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+
+
+def _per_layer(stacked: Any, num_layers: int) -> list[Any]:
+    """Scan outputs with leaves `[num_layers, ...]` -> a list of ``num_layers`` trees."""
+    return [jax.tree_util.tree_map(lambda w, i=i: w[i], stacked) for i in range(num_layers)]
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+def _layer_slice(leaf: Any, i: int) -> Any:
+    """Row ``i`` of a stacked leaf `[num_layers, ...]`; a boxed leaf also drops its first
+    logical axis name ("layers")."""
+    if _is_box(leaf):
+        return leaf.replace(value=leaf.value[i], names=tuple(leaf.names[1:]))
+    return leaf[i]
+
+
+def _split_layers(stacked: Any) -> list[Any]:
+    """A scanned ``layers`` subtree (leaves `[num_layers, ...]`) -> one subtree per layer."""
+    leaves = jax.tree_util.tree_leaves(stacked, is_leaf=_is_box)
+    if not leaves:
+        return []
+    first = leaves[0].value if _is_box(leaves[0]) else leaves[0]
+    return [
+        jax.tree_util.tree_map(lambda x, i=i: _layer_slice(x, i), stacked, is_leaf=_is_box)
+        for i in range(first.shape[0])
+    ]
+
+
+def unstack_layers(params: Any) -> Any:
+    """A ``scan_layers`` parameter tree -> the unrolled model's tree (same values).
+
+    Every ``layers`` subtree, whose leaves are stacked `[num_layers, ...]`, becomes
+    ``layers_0`` ... ``layers_{num_layers - 1}`` holding row i of each leaf `[...]`; all other
+    entries are kept. Works on boxed (``nn.LogicallyPartitioned``: the "layers" axis name is
+    dropped) or plain parameters, on gradients and on whole variable dicts. Pure: returns new
+    dicts and leaves the input alone; a tree without ``layers`` comes back unchanged.
+    """
+    if not isinstance(params, Mapping):
+        return params
+    out: dict[str, Any] = {}
+    for name, sub in params.items():
+        if name == "layers" and isinstance(sub, Mapping):
+            for i, layer in enumerate(_split_layers(sub)):
+                out[f"layers_{i}"] = layer
+        else:
+            out[name] = unstack_layers(sub)
+    return out
+
+
+def unrolled(params: Any, config: TransformerConfig) -> tuple[Any, TransformerConfig]:
+    """Parameters and config of the unrolled model that computes what ``config``'s does.
+
+    The identity unless ``config.scan_layers``; then ``unstack_layers(params)`` and the config
+    with ``scan_layers=False``. Cached decoding (``generate``, ``continue_prompt``,
+    ``init_cache``, the Translator) goes through here: its per-layer caches keep the batch on
+    axis 0, which beam search expands and gathers.
+    """
+    if not config.scan_layers:
+        return params, config
+    return unstack_layers(params), dataclasses.replace(config, scan_layers=False)
+
+
 class _Embedder(nn.Module):
     """Token embedding (scaled by sqrt(d_model)) + absolute positions + dropout."""
 
@@ -114,13 +248,22 @@ class Encoder(nn.Module):
         if inputs_segmentation is not None:
             mask = combine_masks(mask, segment_mask(inputs_segmentation, inputs_segmentation))
         weights = []
-        for i in range(cfg.num_encoder_layers):
-            layer = nn.remat(EncoderLayer, static_argnums=(4, 5)) if cfg.remat else EncoderLayer
-            x = layer(cfg, name=f"layers_{i}")(x, mask, positions, deterministic, return_weights)
-            if return_weights:
-                x, w = x
-                weights.append(w)
-            x = _constrain(x)
+        if cfg.scan_layers:
+            stack = _scan_stack(_ScannedEncoderLayer, cfg.num_encoder_layers, 2, cfg.remat)
+            x, stacked = stack(
+                cfg, deterministic=deterministic, return_weights=return_weights, name="layers"
+            )(x, mask, positions)
+            weights = _per_layer(stacked, cfg.num_encoder_layers) if return_weights else []
+        else:
+            for i in range(cfg.num_encoder_layers):
+                layer = nn.remat(EncoderLayer, static_argnums=(4, 5)) if cfg.remat else EncoderLayer
+                x = layer(cfg, name=f"layers_{i}")(
+                    x, mask, positions, deterministic, return_weights
+                )
+                if return_weights:
+                    x, w = x
+                    weights.append(w)
+                x = _constrain(x)
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
         return (x, weights) if return_weights else x
@@ -152,6 +295,13 @@ class Decoder(nn.Module):
         return_weights: bool = False,
     ):
         cfg = self.config
+        if decode and cfg.scan_layers:
+            raise ValueError(
+                "decode=True needs a key/value cache per layer, but TransformerConfig."
+                "scan_layers=True stacks the decoder layers: decode with the unrolled model, "
+                "models.unrolled(params, config) (unstack_layers(params) and scan_layers=False). "
+                "generate(), continue_prompt() and init_cache() do that themselves."
+            )
         if decode:
             # The cache knows how many positions came before; packing does not apply here.
             initialized = self.has_variable("cache", "position_index")
@@ -189,16 +339,28 @@ class Decoder(nn.Module):
             )
         )
         weights = []
-        for i in range(cfg.num_decoder_layers):
-            layer = (nn.remat(DecoderLayer, static_argnums=(6, 7, 8)) if cfg.remat
-                     else DecoderLayer)  # fmt: skip
-            x = layer(cfg, cross_attention=self.cross_attention, name=f"layers_{i}")(
-                x, encoded, self_mask, cross_mask, positions, deterministic, decode, return_weights
-            )
-            if return_weights:
-                x, w = x
-                weights.append(w)
-            x = _constrain(x)
+        if cfg.scan_layers:
+            stack = _scan_stack(_ScannedDecoderLayer, cfg.num_decoder_layers, 4, cfg.remat)
+            x, stacked = stack(
+                cfg,
+                cross_attention=self.cross_attention,
+                deterministic=deterministic,
+                return_weights=return_weights,
+                name="layers",
+            )(x, encoded, self_mask, cross_mask, positions)
+            weights = _per_layer(stacked, cfg.num_decoder_layers) if return_weights else []
+        else:
+            for i in range(cfg.num_decoder_layers):
+                layer = (nn.remat(DecoderLayer, static_argnums=(6, 7, 8)) if cfg.remat
+                         else DecoderLayer)  # fmt: skip
+                x = layer(cfg, cross_attention=self.cross_attention, name=f"layers_{i}")(
+                    x, encoded, self_mask, cross_mask, positions, deterministic, decode,
+                    return_weights,
+                )  # fmt: skip
+                if return_weights:
+                    x, w = x
+                    weights.append(w)
+                x = _constrain(x)
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
         if cfg.tie_output_embedding:

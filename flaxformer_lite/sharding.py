@@ -4,7 +4,9 @@ The mesh has three axes: "data" (batch split, parameters replicated), "fsdp" (ba
 parameters sharded over their "embed" axis, gathered per layer by XLA) and "tensor" (heads, MLP
 hidden units and vocabulary split: Megatron-style tensor parallelism). Layers name their
 parameter axes ("embed", "heads", "kv", "mlp", "vocab"); ``LOGICAL_RULES`` maps those names to
-mesh axes, so changing the parallelism never touches a layer.
+mesh axes, so changing the parallelism never touches a layer. The stacked parameters of a
+``scan_layers`` model have a leading "layers" axis, replicated: each device holds its shard of
+every layer, as in the unrolled model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("kv", None),
+    ("layers", None),  # scan_layers: the stacked layer axis
     # Activations: the batch is split over data and fsdp; the residual stream is whole on
     # every tensor-parallel device (Megatron), heads/mlp split inside the sub-layers.
     ("activation_batch", ("data", "fsdp")),
