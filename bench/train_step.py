@@ -18,6 +18,7 @@ Needs torch (``pip install torch==2.13.0``, the CPU wheel); writes bench/results
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -56,17 +57,35 @@ def make_batch(spec, seed=0):
 # ----------------------------------------------------------------------------- ours
 
 
-def ours_step(spec, **overrides):
+def ours_config(spec, **overrides):
+    """The TransformerConfig of ``spec``; ``overrides`` go through ``dataclasses.replace``
+    (an unknown field raises TypeError: callers check ``dataclasses.fields`` first)."""
     cfg = TransformerConfig(
         vocab_size=spec["vocab"], d_model=spec["d_model"], num_heads=spec["num_heads"],
         d_ff=spec["d_ff"], num_encoder_layers=spec["layers"], num_decoder_layers=spec["layers"],
-        dropout_rate=0.1, attention_dropout_rate=0.1, max_len=spec["length"], **overrides,
+        dropout_rate=0.1, attention_dropout_rate=0.1, max_len=spec["length"],
     )  # fmt: skip
-    model = EncoderDecoder(cfg)
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def init_params(model, batch):
+    """The model's initial parameters (seed 0), unboxed."""
+    params = jax.jit(model.init)(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
+    return jax.tree_util.tree_map(lambda x: x, __import__("flax").linen.meta.unbox(params))
+
+
+def ours_setup(spec, *, donate=True, params=None, **overrides):
+    """(jitted train step, initial TrainState, device batch of ``make_batch(spec)``).
+
+    ``params``: initial parameters to copy instead of initialising (same tree as the model's;
+    saves the compilation of ``model.init`` when several variants share one tree)."""
+    model = EncoderDecoder(ours_config(spec, **overrides))
     tx = optax.adam(1e-4, b1=0.9, b2=0.98, eps=1e-9)
     batch = {k: jnp.asarray(v) for k, v in make_batch(spec).items()}
-    params = jax.jit(model.init)(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
-    params = jax.tree_util.tree_map(lambda x: x, __import__("flax").linen.meta.unbox(params))
+    if params is None:
+        params = init_params(model, batch)
+    else:  # fresh buffers: the step donates its state
+        params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
     state = train.TrainState(
         step=jnp.array(0, jnp.int32), params=params, opt_state=tx.init(params),
         rng=jax.random.PRNGKey(0),
@@ -76,17 +95,30 @@ def ours_step(spec, **overrides):
             train.train_step, model=model, kind="translation", tx=tx, schedule=lambda s: 1e-4,
             label_smoothing=0.1, accum_steps=1, skip_nonfinite=False,
         ),
-        donate_argnums=(0,),
+        donate_argnums=(0,) if donate else (),
     )  # fmt: skip
+    return step, state, batch
+
+
+def aot_compile(jitted, *args):
+    """(``jitted.lower(*args).compile()``, its wall time in seconds)."""
     t0 = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def ours_step(spec, *, donate=True, params=None, **overrides):
+    """(run, compile seconds): ``run(n)`` does n train steps on one fixed batch and returns
+    the metrics of the last one (blocked on). Options as ``ours_setup``."""
+    step, state, batch = ours_setup(spec, donate=donate, params=params, **overrides)
+    compiled, compile_s = aot_compile(step, state, batch)
     holder = {"state": state}
 
     def run(n):
         for _ in range(n):
             holder["state"], metrics = compiled(holder["state"], batch)
         jax.block_until_ready(metrics["loss"])
+        return metrics
 
     return run, compile_s
 
