@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 
 class MetricWriter:
-    """Appends ``{"step": s, name: value, ...}`` lines; mirrors scalars to TensorBoard.
-
-    Only process 0 of a multi-host run writes (``active=False`` elsewhere).
+    """Appends ``{"step": s, "time": t, name: value, ...}`` lines; mirrors scalars to
+    TensorBoard. ``time`` is the Unix time of the write (wall-clock curves, e.g.
+    :mod:`flaxformer_lite.plot_metrics`). Only process 0 of a multi-host run writes
+    (``active=False`` elsewhere).
     """
 
     def __init__(self, workdir: str, *, active: bool = True) -> None:
@@ -28,7 +30,7 @@ class MetricWriter:
             return
         values = {k: float(v) for k, v in metrics.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": int(step), **values}) + "\n")
+            f.write(json.dumps({"step": int(step), "time": time.time(), **values}) + "\n")
         for k, v in values.items():
             self._tb.add_scalar(k, v, int(step))
         self._tb.flush()
