@@ -26,28 +26,36 @@ def get_config():
     c.vocab_size = 8000
     c.shared_vocab = True
     c.spm_model_type = "unigram"
-    c.max_len = 128
+    # Packing: rows of 64 tokens hold ~4 sentences each; 5% padding instead of the 25% of
+    # length buckets, one compiled shape instead of seven. No training pair is longer.
+    c.max_len = 64
     c.too_long = "truncate"
-    c.tokens_per_batch = 4096
+    c.packing = True
+    c.tokens_per_batch = 2048
     c.batch_size_multiple = 8
-    c.packing = False
 
+    # A "tiny" Transformer (4+4 layers, d_model 128, d_ff 256) tied and shared embeddings: the
+    # size published text-only baselines use on Multi30k, and three times the tokens per
+    # second of d_model 256 on a CPU, which buys epochs within the time budget.
     c.model = dict(
-        d_model=256,
+        d_model=128,
         num_heads=4,
-        d_ff=1024,
-        num_encoder_layers=3,
-        num_decoder_layers=3,
-        dropout_rate=0.3,
+        d_ff=256,
+        num_encoder_layers=4,
+        num_decoder_layers=4,
+        dropout_rate=0.2,
         attention_dropout_rate=0.1,
         norm_position="pre",
     )
-    c.schedule = "noam"
-    c.learning_rate = 2.0
-    c.warmup_steps = 1000
-    c.num_train_steps = 3000
+    # A fixed step budget: short warmup, cosine decay to zero at the last step.
+    c.schedule = "cosine"
+    c.learning_rate = 4e-3
+    c.warmup_steps = 400
+    c.num_train_steps = 1900
     c.log_every = 50
-    c.eval_every = 500
-    c.checkpoint_every = 500
+    c.eval_every = 250
+    c.decode_eval = False  # BLEU with the evaluate CLI afterwards (beam search, sacrebleu)
+    c.checkpoint_every = 250
+    c.keep_checkpoints = 5
     c.beam_size, c.alpha = 4, 0.6
     return c

@@ -106,6 +106,19 @@ def _checkpoint_steps(checkpoint_dir: str) -> list[int]:
     )
 
 
+def average_params(checkpoint_dir: str, steps: Sequence[int], expected: Any) -> Any:
+    """Element-wise mean of the parameters saved at ``steps`` (checkpoint averaging), each read
+    and checked as by :func:`restore_params`; summed in float64, returned in the saved dtypes."""
+    if not steps:
+        raise ValueError("average_params needs at least one step")
+    total = None
+    for step in steps:
+        params = restore_params(checkpoint_dir, step, expected)
+        as64 = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
+        total = as64 if total is None else jax.tree_util.tree_map(np.add, total, as64)
+    return jax.tree_util.tree_map(lambda t, e: (t / len(steps)).astype(e.dtype), total, expected)
+
+
 @contextlib.contextmanager
 def _quiet_absl() -> Iterator[None]:
     """Orbax warns through absl that the item folder has no step metadata (it lives one level
@@ -227,12 +240,14 @@ class Translator:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_workdir(cls, workdir: str, *, step: int | None = None) -> Translator:
+    def from_workdir(cls, workdir: str, *, step: int | None = None, average: int = 1) -> Translator:
         """Loads the model config, vocabulary and parameters of a ``train.py`` workdir.
 
         Args:
           workdir: the run's folder.
           step: checkpoint step to load; None = the latest.
+          average: use the mean parameters of the ``average`` last checkpoints up to ``step``
+            (checkpoint averaging; 1 = that checkpoint alone).
 
         Raises:
           FileNotFoundError: no such workdir, no ``model_config.json``, no vocabulary, no
@@ -287,8 +302,17 @@ class Translator:
             raise FileNotFoundError(
                 f"no checkpoint for step {step} in {checkpoint_dir}; available steps: {steps}"
             )
+        if isinstance(average, bool) or not isinstance(average, int) or average < 1:
+            raise ValueError(f"average must be a positive int; got {average!r}")
+        chosen = [s for s in steps if s <= step][-average:]
+        if len(chosen) < average:
+            raise ValueError(
+                f"average={average} needs {average} checkpoints up to step {step} in "
+                f"{checkpoint_dir}; there are {len(chosen)}: {chosen} (raise keep_checkpoints)"
+            )
         expected = cls.abstract_params(config)
-        params = restore_params(checkpoint_dir, step, expected)
+        params = average_params(checkpoint_dir, chosen, expected)
+        label = f"step {step}" if average == 1 else f"mean of steps {chosen}"
         return cls(
             params,
             config,
@@ -296,7 +320,7 @@ class Translator:
             target_vocab,
             beam_size=int(run.get("beam_size") or 4),
             alpha=float(0.6 if run.get("alpha") is None else run["alpha"]),
-            name=f"{workdir} (step {step})",
+            name=f"{workdir} ({label})",
         )
 
     @staticmethod

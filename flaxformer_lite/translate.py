@@ -57,9 +57,15 @@ def plain_warnings() -> None:
 
 
 def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
-    """--workdir, --step and the decoding options shared by the translate and evaluate CLIs."""
+    """--workdir, --step, --average and the decoding options of the translate and evaluate CLIs."""
     parser.add_argument("--workdir", required=True, help="train.py workdir to load")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument(
+        "--average",
+        type=int,
+        default=1,
+        help="average the parameters of this many last checkpoints up to --step (default 1)",
+    )
     parser.add_argument("--method", choices=METHODS, default="beam", help="decoding method")
     parser.add_argument(
         "--beam_size", type=int, default=None, help="beams (default: the run's config, else 4)"
@@ -114,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain_warnings()
 
     try:
-        translator = Translator.from_workdir(args.workdir, step=args.step)
+        translator = Translator.from_workdir(args.workdir, step=args.step, average=args.average)
         sentences = read_lines(args.input)
         outputs = translator.translate(
             sentences, progress=args.input not in (None, "-"), **decoding_kwargs(args)

@@ -88,6 +88,22 @@ def test_from_workdir_loads_the_latest_or_a_given_step(workdir, translator):
         Translator.from_workdir(str(workdir), step=30)
 
 
+def test_checkpoint_averaging_is_the_elementwise_mean(workdir, translator):
+    earlier = Translator.from_workdir(str(workdir), step=20)
+    averaged = Translator.from_workdir(str(workdir), average=2)
+    assert "mean of steps [20, 40]" in averaged.name
+    for m, a, b in zip(
+        *(jax.tree_util.tree_leaves(t.params) for t in (averaged, translator, earlier)),
+        strict=True,
+    ):
+        assert m.dtype == a.dtype
+        np.testing.assert_allclose(m, (np.float64(a) + np.float64(b)) / 2, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"average=3 needs 3 checkpoints .*\[20, 40\]"):
+        Translator.from_workdir(str(workdir), average=3)
+    with pytest.raises(ValueError, match="average must be a positive int"):
+        Translator.from_workdir(str(workdir), average=0)
+
+
 def test_translate_keeps_order_and_empty_lines(translator):
     outputs = translator.translate(LINES)
     assert len(outputs) == len(LINES)
