@@ -8,7 +8,7 @@ estimate fits under ``--max-gb`` (default 8). The reference at 16k needs ~16 GB 
 and is reported as a compiled estimate only.
 
 Writes bench/results/attention_memory.json and attention_memory.png (log-log memory and time
-against length) and prints a markdown table.
+against length; ``attention_memory_quick.*`` with --quick) and prints a markdown table.
 
     .venv/bin/python bench/attention_memory.py --quick   # 1k and 4k, under a minute on 2 cores
     .venv/bin/python bench/attention_memory.py           # 1k, 4k, 16k
@@ -168,14 +168,15 @@ def main() -> None:
         "memory_metric": "compiled memory_analysis().temp_size_in_bytes of jit(grad(loss))",
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "attention_memory.json").write_text(
+    stem = "attention_memory_quick" if args.quick else "attention_memory"  # keep the full table
+    (args.out / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
     )
     title = (
         f"causal attention fwd+bwd, batch 1, {args.heads} heads, head_dim {args.head_dim}, "
         f"float32, {meta['device']}"
     )
-    plot(rows, args.out / "attention_memory.png", title)
+    plot(rows, args.out / f"{stem}.png", title)
     print()
     print(markdown_table(rows))
 

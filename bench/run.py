@@ -41,7 +41,7 @@ def main() -> None:
         ("Train step vs PyTorch", train_step, f"train_step{suffix}.json"),
         ("Train-step levers", levers, f"levers{suffix}.json"),
         ("Decoding", decode, f"decode{suffix}.json"),
-        ("Attention memory", attention_memory, "attention_memory.json"),
+        ("Attention memory", attention_memory, f"attention_memory{suffix}.json"),
     ]
     latest, markdown, seconds = {"quick": quick}, [], {}
     argv = sys.argv
