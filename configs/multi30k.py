@@ -57,5 +57,5 @@ def get_config():
     c.decode_eval = False  # BLEU with the evaluate CLI afterwards (beam search, sacrebleu)
     c.checkpoint_every = 250
     c.keep_checkpoints = 5
-    c.beam_size, c.alpha = 4, 0.6
+    c.beam_size, c.alpha = 4, 1.0  # selected on val (alpha 0.6 / 1.0 / 1.5 / 2.0)
     return c
