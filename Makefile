@@ -41,7 +41,7 @@ multi30k: $(VENV)/.installed
 	$(PY) train.py --config configs/multi30k.py --config.data_dir=$(M30K_DATA) --workdir $(M30K_WORKDIR)
 	$(PY) -m flaxformer_lite.evaluate --workdir $(M30K_WORKDIR) \
 		--source $(M30K_DATA)/test2016.en --reference $(M30K_DATA)/test2016.de \
-		--output $(M30K_WORKDIR)/test2016.hyp
+		--output $(M30K_WORKDIR)/test2016.hyp --report $(M30K_WORKDIR)/test2016.json
 
 clean:
 	rm -rf $(VENV) runs

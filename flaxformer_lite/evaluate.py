@@ -4,12 +4,14 @@
         --source test2016.en --reference test2016.de --output test2016.hyp
 
 Prints the cased BLEU with sacrebleu's signature (the line to publish: it pins the tokenizer,
-smoothing and version), the lowercased BLEU, and the exact-match rate; writes the hypotheses.
+smoothing and version), the lowercased BLEU, and the exact-match rate; writes the hypotheses
+(``--output``) and a JSON record of the scores and decoding settings (``--report``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -54,6 +56,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--source", required=True, help="source sentences, one per line")
     parser.add_argument("--reference", required=True, help="references, aligned with --source")
     parser.add_argument("--output", default=None, help="write the hypotheses here")
+    parser.add_argument(
+        "--report", default=None, help="write the scores and decoding settings here (JSON)"
+    )
     return parser.parse_args(argv)
 
 
@@ -84,6 +89,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"lowercased: {report['bleu_lowercase']}")
     print(f"signature:  {report['signature_lowercase']}")
     print(f"exact match = {100 * report['exact_match']:.2f}%")
+    if args.report:
+        record = {
+            "workdir": args.workdir,
+            "checkpoint": translator.name,
+            "average": args.average,
+            "method": args.method,
+            "beam_size": translator.beam_size if args.beam_size is None else args.beam_size,
+            "alpha": translator.alpha if args.alpha is None else args.alpha,
+            "source": args.source,
+            "reference": args.reference,
+            "num_sentences": report["num_sentences"],
+            "bleu": round(report["bleu"].score, 2),
+            "bleu_detail": str(report["bleu"]),
+            "signature": report["signature"],
+            "bleu_lowercase": round(report["bleu_lowercase"].score, 2),
+            "bleu_lowercase_detail": str(report["bleu_lowercase"]),
+            "signature_lowercase": report["signature_lowercase"],
+            "exact_match": report["exact_match"],
+        }
+        with open(args.report, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
     return 0
 
 

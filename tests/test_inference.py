@@ -228,6 +228,8 @@ def test_evaluate_cli_prints_bleu_with_signature(workdir, translator, tmp_path, 
             str(reference),
             "--output",
             str(hyps),
+            "--report",
+            str(tmp_path / "report.json"),
         ]
     )
     out = capsys.readouterr().out
@@ -235,7 +237,21 @@ def test_evaluate_cli_prints_bleu_with_signature(workdir, translator, tmp_path, 
     assert "cased:      BLEU = " in out and "lowercased: BLEU = " in out
     assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in out
     assert "case:lc" in out
-    assert hyps.read_text().split("\n")[:-1] == translator.translate(sentences)
+    outputs = translator.translate(sentences)
+    assert hyps.read_text().split("\n")[:-1] == outputs
+    # The JSON record: the printed scores, recomputed here with sacrebleu on the same text.
+    record = json.loads((tmp_path / "report.json").read_text())
+    expected = evaluate.bleu_report(outputs, [s.replace(" ", "")[::-1] for s in sentences])
+    assert record["bleu"] == round(expected["bleu"].score, 2)
+    assert record["bleu_lowercase"] == round(expected["bleu_lowercase"].score, 2)
+    assert record["signature"] == expected["signature"]
+    assert "case:lc" in record["signature_lowercase"]
+    assert (record["beam_size"], record["alpha"], record["method"]) == (
+        translator.beam_size,
+        translator.alpha,
+        "beam",
+    )
+    assert record["num_sentences"] == len(sentences) and str(workdir) in record["checkpoint"]
 
 
 def test_attention_maps_cli_writes_pngs(workdir, tmp_path, capsys):
