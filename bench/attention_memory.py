@@ -10,7 +10,7 @@ and is reported as a compiled estimate only.
 Writes bench/results/attention_memory.json and attention_memory.png (log-log memory and time
 against length; ``attention_memory_quick.*`` with --quick) and prints a markdown table.
 
-    .venv/bin/python bench/attention_memory.py --quick   # 1k and 4k, under a minute on 2 cores
+    .venv/bin/python bench/attention_memory.py --quick   # 1k and 2k, under half a minute on 2 cores
     .venv/bin/python bench/attention_memory.py           # 1k, 4k, 16k
 """
 
@@ -137,7 +137,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1k and 4k tokens only")
+    parser.add_argument("--quick", action="store_true", help="1k and 2k tokens only")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--max-gb", type=float, default=8.0, help="don't run above this estimate")
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    lengths = [1024, 2048] if args.quick else [1024, 4096, 16384]
     rows = []
     for length in lengths:
         for name in IMPLEMENTATIONS:

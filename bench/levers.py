@@ -31,7 +31,7 @@ every other round), so that machine load hits all alike; tok/s is the median ove
 Variants with the default's parameter tree (b, d, e, f) start from copies of its initial
 parameters; a lever whose config field does not exist (yet) is skipped with a note. The
 table is the small config's; ``--quick`` is a smoke test of the script (a tiny model:
-d_model 128, 2+2 layers, vocabulary 2048, batch 32 x 32; 2 rounds of 1 step; (f) padding
+d_model 128, 1+1 layers, vocabulary 2048, batch 32 x 32; 2 rounds of 1 step; (f) padding
 shares of 5,000 pairs, not timed; no 12+12 compile), its numbers are not the table.
 
     .venv/bin/python bench/levers.py --quick   # ~30 s on 2 idle cores
@@ -75,7 +75,7 @@ from flaxformer_lite.tokenizer import EOS_ID, PAD_ID  # noqa: E402
 RESULTS = HERE / "results"
 SMALL = train_step.CONFIGS["small"]
 # --quick only: a smoke test of every code path, fast to compile.
-TINY = dict(d_model=128, num_heads=4, d_ff=512, layers=2, vocab=2048, length=32, batch=32)
+TINY = dict(d_model=128, num_heads=4, d_ff=512, layers=1, vocab=2048, length=32, batch=32)
 DEEP_LAYERS = 12
 # Padding lever: max_len (bucket_boundaries(max_len), packed row length; >= the longest pair,
 # 56), tokens per batch, rows a multiple of 8 (as the library's training configs).

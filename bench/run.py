@@ -1,4 +1,5 @@
-"""All benchmarks in one process, one after the other; writes bench/results/latest.{json,md}.
+"""All benchmarks in one process, one after the other; writes bench/results/latest.{json,md}
+(latest_quick.{json,md} with --quick).
 
     .venv/bin/python bench/run.py --quick   # under 3 minutes on 2 idle CPU cores
     .venv/bin/python bench/run.py
@@ -62,8 +63,9 @@ def main() -> None:
     latest["wall_seconds"] = seconds
     timing = ", ".join(f"{name} {s:.0f} s" for name, s in seconds.items())
     markdown.append(f"Wall time: {timing}.\n")
-    (RESULTS / "latest.json").write_text(json.dumps(latest, indent=2))
-    (RESULTS / "latest.md").write_text("\n".join(markdown))
+    # --quick writes latest_quick.*: a smoke run never overwrites the full tables.
+    (RESULTS / f"latest{suffix}.json").write_text(json.dumps(latest, indent=2))
+    (RESULTS / f"latest{suffix}.md").write_text("\n".join(markdown))
     print("\n".join(markdown))
 
 

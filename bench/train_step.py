@@ -213,7 +213,8 @@ def main():
         spec = CONFIGS[name]
         ours, compile_s = ours_step(spec)
         theirs = torch_step(spec)
-        steps = max(2, int(4096 / spec["batch"] / spec["length"] * 2))
+        # Steps per round: ~8k target tokens (2 with --quick: a smoke run, not the table).
+        steps = 2 if args.quick else max(2, int(4096 / spec["batch"] / spec["length"] * 2))
         ours(1), theirs(1)  # warm-up
         t_ours, t_torch = [], []
         for _ in range(rounds):  # interleaved: load drifts hit both
