@@ -34,7 +34,7 @@ table is the small config's; ``--quick`` is a smoke test of the script (a tiny m
 d_model 128, 1+1 layers, vocabulary 2048, batch 32 x 32; 2 rounds of 1 step; (f) padding
 shares of 5,000 pairs, not timed; no 12+12 compile), its numbers are not the table.
 
-    .venv/bin/python bench/levers.py --quick   # ~30 s on 2 idle cores
+    .venv/bin/python bench/levers.py --quick   # ~40-55 s on 2 idle cores (mostly compiling)
     .venv/bin/python bench/levers.py           # small config, 5 rounds: ~4-5 min
 
 Writes bench/results/levers.json (levers_quick.json with --quick) and prints a markdown table.
