@@ -281,10 +281,11 @@ class Preemption:
     goes through the coordination service to all of them, each reports the last counter it
     passed to ``multihost_utils.reached_preemption_sync_point``, and the sync point is the
     largest plus one, which every process then reaches at the same step. Asking is a local
-    mutex and compare (about 15 us, no collective), so the loop asks at every step. The counter
-    is the number of steps this run has done (1, 2, ...): the runtime starts every process at 0,
-    so a notice that arrives before the first step (data loading, compilation) stops the run
-    after its first step rather than at a step a resumed run has already passed.
+    lock and compare (0.65 us a call measured on a CPU; no collective), so the loop asks at
+    every step. The counter is the number of steps this run has done (1, 2, ...): the runtime
+    starts every process at 0, so a notice that arrives before the first step (data loading,
+    compilation) stops the run after its first step rather than at a step a resumed run has
+    already passed. Orbax's own calls are switched off (``checkpoints._Manager``).
 
     A Python ``signal.signal(SIGTERM, ...)`` would replace that C++ handler (only the signalled
     process would ever know), so none is installed then, and none is restored at the end.

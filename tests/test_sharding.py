@@ -216,7 +216,7 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(two_process
             p.kill()
             p.communicate()
         raise
-    outs = finish(procs, timeout=120)
+    outs = finish(procs, timeout=300)
     steps = []
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]  # a preempted run with its checkpoint: clean exit
