@@ -200,10 +200,15 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(two_process
     procs = start_two_processes(workdir)
     try:
         checkpoints, deadline = workdir / "checkpoints", time.time() + 500
-        while not (checkpoints / "6").is_dir():  # mid-run: the first checkpoint is written
+
+        def saving_step_6() -> bool:  # Orbax's "6.orbax-checkpoint-tmp-*", then "6"
+            names = [p.name for p in checkpoints.iterdir()] if checkpoints.is_dir() else []
+            return any(n.split(".")[0] == "6" for n in names)
+
+        while not saving_step_6():  # mid-run: step 6 is done and being saved
             assert all(p.poll() is None for p in procs), "a process exited before step 6"
             assert time.time() < deadline, "no checkpoint at step 6 in time"
-            time.sleep(0.1)
+            time.sleep(0.05)
         # Freeze process 0 (process 1 then waits in the step's collectives) while process 1
         # takes the notice: the runtime polls its SIGTERM flag once a second, so on a fast
         # machine the remaining steps could otherwise end before anyone noticed.
