@@ -197,10 +197,10 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(two_process
     the same step and exit 0; the two resumed processes end bitwise equal to the
     uninterrupted run."""
     workdir = tmp_path / "preempted"
-    procs = start_two_processes(workdir)
+    only_preemption_saves = "--config.checkpoint_every=100"  # the same math, no periodic saves
+    procs = start_two_processes(workdir, only_preemption_saves)
     try:
-        # Mid-run: process 0 logs the train metrics of steps 1-3 (log_every=3), before the
-        # first periodic checkpoint (6), so the preemption save is one of its own.
+        # Mid-run: process 0 has logged the train metrics of steps 1-3 (log_every=3).
         metrics, deadline = workdir / "metrics.jsonl", time.time() + 500
         while not (metrics.exists() and metrics.stat().st_size):
             assert all(p.poll() is None for p in procs), "a process exited before step 3"
@@ -228,10 +228,13 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(two_process
         assert "final:" not in out
     stopped = steps[0]
     assert steps[1] == stopped and 3 <= stopped < TWO_PROCESS_STEPS, steps
+    print(f"both processes saved step {stopped}")
+    saved = [p.name for p in (workdir / "checkpoints").iterdir()]
+    assert saved == [str(stopped)], saved
     state, data = saved_state(workdir)
     assert int(state["step"]) == stopped and data["train"] == {"index": stopped}
     # Both processes resume and end where the uninterrupted run ended, bit for bit.
-    outs = run_two_processes(workdir)
+    outs = run_two_processes(workdir, only_preemption_saves)
     assert f"resumed from step {stopped}" in outs[0]
     a, data_a = saved_state(two_processes[0])
     b, data_b = saved_state(workdir)
