@@ -6,7 +6,8 @@
 
 A workdir that already holds checkpoints resumes from the latest one: parameters, optimizer
 state, RNG and the position in the data stream, so an interrupted run ends exactly where an
-uninterrupted one would. SIGTERM (a preempted TPU VM) saves a checkpoint before exiting.
+uninterrupted one would. SIGTERM (a preemption notice) to any process makes every process save
+the same step and exit 0: the checkpoint is safely written, so rerunning the command resumes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import functools
 import json
 import os
 import signal
-import sys
 import time
 from typing import Any
 
@@ -269,6 +269,61 @@ def lm_sample(task: tasks.Task, params, cfg: TransformerConfig, step: int) -> st
     )
 
 
+# ----------------------------------------------------------------------------- preemption
+
+
+class Preemption:
+    """Answers, at each step boundary, whether a preemption notice (SIGTERM) means "save this
+    step and stop", with the same answer on every process of the run.
+
+    Under ``jax.distributed`` the runtime decides. ``jax.distributed.initialize`` installs a C++
+    SIGTERM handler on every process (its preemption notifier); a notice on any one process
+    goes through the coordination service to all of them, each reports the last counter it
+    passed to ``multihost_utils.reached_preemption_sync_point``, and the sync point is the
+    largest plus one, which every process then reaches at the same step. Asking is a local
+    lock and compare (0.65 us a call measured on a CPU; no collective), so the loop asks at
+    every step. The counter is the number of steps this run has done (1, 2, ...): the runtime
+    starts every process at 0, so a notice that arrives before the first step (data loading,
+    compilation) stops the run after its first step rather than at a step a resumed run has
+    already passed. Orbax's own calls are switched off (``checkpoints._Manager``).
+
+    A Python ``signal.signal(SIGTERM, ...)`` would replace that C++ handler (only the signalled
+    process would ever know), so none is installed then, and none is restored at the end.
+    Without ``jax.distributed`` (one process), a Python handler sets a flag instead.
+    """
+
+    def __init__(self) -> None:
+        from jax.experimental import multihost_utils
+
+        self._sync = multihost_utils.reached_preemption_sync_point
+        self._signalled = False
+        self._previous = None
+        self.synced = jax.distributed.is_initialized()
+        if self.synced:
+            try:
+                self._sync(0)  # the runtime's initial counter: nothing done yet
+            except RuntimeError as e:  # jax_enable_preemption_service=False
+                self.synced = False
+                if jax.process_count() > 1:
+                    print(f"warning: {e}; SIGTERM will end this process without a checkpoint")
+                    return
+        if not self.synced:
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, *_) -> None:
+        self._signalled = True
+
+    def reached(self, steps_done: int) -> bool:
+        """Whether to save and stop after this run's ``steps_done``-th step (every process
+        must ask at every step, in order)."""
+        return self._sync(steps_done) if self.synced else self._signalled
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -278,7 +333,8 @@ def train_and_evaluate(
     """Runs (or resumes) training as ``config`` says; returns the last evaluation metrics.
 
     ``stop_at`` ends the run after that step with a checkpoint, as a preemption would (tests
-    and schedulers use it); a later call on the same workdir continues.
+    and schedulers use it); a later call on the same workdir continues. Both, and SIGTERM
+    (see ``Preemption``), return ``{}`` once the checkpoint is written.
     """
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -387,9 +443,8 @@ def train_and_evaluate(
         log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
 
-    # Preemption: SIGTERM sets a flag; the loop saves and exits at the next step boundary.
-    stop = {"signal": False}
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(signal=True))
+    # Preemption: SIGTERM on any process; every process saves the same step and returns.
+    preemption = Preemption()
 
     writer = MetricWriter(workdir, active=is_main)
     start_step = int(state.step)
@@ -459,11 +514,10 @@ def train_and_evaluate(
                 if config.eval_every and done % config.eval_every == 0:
                     flush_train_metrics(done)
                     eval_metrics = evaluate(done)
-                if stop["signal"]:
-                    log(f"SIGTERM: saving step {done} and exiting")
-                    save(done, force=True)
-                    checkpointer.close()
-                    sys.exit(143)
+                if preemption.reached(done - start_step):
+                    print(f"SIGTERM: saving step {done}; rerun to resume", flush=True)
+                    save(done, force=True)  # `finally` waits until it is on disk
+                    return {}
                 if stop_at is not None and done >= stop_at:
                     save(done, force=True)
                     return {}
@@ -475,7 +529,7 @@ def train_and_evaluate(
                 eval_metrics = evaluate(final)
     finally:
         bar.close()
-        signal.signal(signal.SIGTERM, previous_handler)
+        preemption.close()
         checkpointer.close()
         writer.close()
     return eval_metrics
@@ -489,7 +543,7 @@ def main(argv: list[str]) -> None:
     )
     config = _CONFIG.value
     metrics = train_and_evaluate(config, _WORKDIR.value)
-    if jax.process_index() == 0:
+    if metrics and jax.process_index() == 0:  # empty: preempted, checkpoint written, exit 0
         print("final: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
 
 

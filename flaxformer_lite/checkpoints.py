@@ -14,6 +14,21 @@ import jax
 import orbax.checkpoint as ocp
 
 
+class _Manager(ocp.CheckpointManager):
+    """A CheckpointManager that leaves the preemption sync point to the train loop.
+
+    Orbax asks ``multihost_utils.reached_preemption_sync_point`` itself, from ``save`` and from
+    the background thread that finalizes an asynchronous save (primary host only), passing the
+    checkpoint's step. The runtime keeps only the last value passed per process and reports it
+    when a preemption notice arrives; these calls would overwrite the train loop's counter at
+    moments that differ between processes, so the processes could disagree on the sync point.
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        del step
+        return False
+
+
 class Checkpointer:
     """Keeps the last ``keep`` checkpoints of ``{"state": pytree, "data": json dict}`` in
     ``directory``; all processes of a multi-host run call every method."""
@@ -23,7 +38,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
-        self._manager = ocp.CheckpointManager(
+        self._manager = _Manager(
             self.directory,
             options=options,
             item_handlers={

@@ -1,12 +1,17 @@
 """Sharded training: the same steps on 1 device, on 8 simulated devices under several meshes,
-and across 2 processes, end with the same parameters."""
+and across 2 processes, end with the same parameters; a preemption notice to one of 2 processes
+saves the same step on both, and resuming ends bitwise where the uninterrupted run does."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -27,6 +32,8 @@ TINY = [
     "--config.checkpoint_every=100",
     "--config.warmup_steps=2",
     "--config.learning_rate=0.003",
+    # Constant after warmup, so step 6 of the 24-step 2-process run is the 6-step run's end.
+    "--config.schedule=constant",
     "--config.synthetic.max_len=6",
     "--config.synthetic.min_len=2",
     "--config.synthetic.num_eval=32",
@@ -67,9 +74,9 @@ def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait
     return done
 
 
-def saved_state(workdir: Path):
+def saved_state(workdir: Path, step: int | None = None):
     ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
-    state, data = ckpt.restore()
+    state, data = ckpt.restore(step=step)
     ckpt.close()
     return state, data
 
@@ -114,32 +121,125 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one_and_their_checkpoint_restores_in_one(reference, tmp_path):
-    workdir = tmp_path / "two"
+# The 2-process runs: 24 steps with a checkpoint every 6, all kept.
+TWO_PROCESS_STEPS = 24
+TWO_PROCESS = [
+    f"--config.num_train_steps={TWO_PROCESS_STEPS}",
+    "--config.checkpoint_every=6",
+    "--config.keep_checkpoints=10",
+]
+
+
+def start_two_processes(workdir: Path, *extra: str) -> list[subprocess.Popen]:
     address = f"127.0.0.1:{free_port()}"
-    procs = [
-        run_train(
-            workdir,
-            f"--coordinator_address={address}",
-            "--num_processes=2",
-            f"--process_id={i}",
-            wait=False,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    flags = (f"--coordinator_address={address}", "--num_processes=2", *TWO_PROCESS, *extra)
+    return [run_train(workdir, *flags, f"--process_id={i}", wait=False) for i in range(2)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Every process's output once all have exited; kills them all if that takes too long."""
+    deadline = time.time() + timeout
+    try:
+        return [p.communicate(timeout=max(deadline - time.time(), 1))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        raise AssertionError(
+            f"processes still running after {timeout} s:\n" + "\n".join(o[-2000:] for o in outs)
+        ) from None
+
+
+def run_two_processes(workdir: Path, *extra: str, timeout: float = 600) -> list[str]:
+    procs = start_two_processes(workdir, *extra)
+    outs = finish(procs, timeout)
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
-    assert "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in outs[0]
+    return outs
+
+
+def assert_bitwise_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb) > 10
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The uninterrupted 2-process run (and process 0's output); tests must not write to it."""
+    workdir = tmp_path_factory.mktemp("two_processes")
+    outs = run_two_processes(workdir)
+    return workdir, outs[0]
+
+
+def test_two_processes_match_one_and_their_checkpoint_restores_in_one(
+    reference, two_processes, tmp_path
+):
+    source, out = two_processes
+    assert "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in out
     a, _ = saved_state(reference)
-    b, data = saved_state(workdir)
+    b, data = saved_state(source, step=6)
     assert int(b["step"]) == 6 and data["train"] == {"index": 6}
     assert_same_params(a, b)
-    # The 2-process checkpoint restores in a 1-process run, which carries on from step 6.
-    resumed = run_train(workdir, "--config.num_train_steps=8")
-    assert "resumed from step 6" in resumed.stdout
+    # The 2-process checkpoint restores in a 1-process run, which carries on from it.
+    workdir = tmp_path / "copy"
+    shutil.copytree(source, workdir)
+    end = TWO_PROCESS_STEPS + 2
+    resumed = run_train(workdir, *TWO_PROCESS, f"--config.num_train_steps={end}")
+    assert f"resumed from step {TWO_PROCESS_STEPS}" in resumed.stdout
     c, _ = saved_state(workdir)
-    assert int(c["step"]) == 8
+    assert int(c["step"]) == end
+
+
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(two_processes, tmp_path):
+    """SIGTERM to process 1 only: the runtime's preemption sync point makes both processes save
+    the same step and exit 0; the two resumed processes end bitwise equal to the
+    uninterrupted run."""
+    workdir = tmp_path / "preempted"
+    only_preemption_saves = "--config.checkpoint_every=100"  # the same math, no periodic saves
+    procs = start_two_processes(workdir, only_preemption_saves)
+    try:
+        # Mid-run: process 0 has logged the train metrics of steps 1-3 (log_every=3).
+        metrics, deadline = workdir / "metrics.jsonl", time.time() + 500
+        while not (metrics.exists() and metrics.stat().st_size):
+            assert all(p.poll() is None for p in procs), "a process exited before step 3"
+            assert time.time() < deadline, "no train metrics in time"
+            time.sleep(0.05)
+        # Freeze process 0 (process 1 then waits in the step's collectives) while process 1
+        # takes the notice: the runtime polls its SIGTERM flag once a second, so on a fast
+        # machine the remaining steps could otherwise end before anyone noticed.
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        procs[1].send_signal(signal.SIGTERM)
+        time.sleep(2.5)
+        os.kill(procs[0].pid, signal.SIGCONT)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.communicate()
+        raise
+    outs = finish(procs, timeout=300)
+    steps = []
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]  # a preempted run with its checkpoint: clean exit
+        saving = re.findall(r"SIGTERM: saving step (\d+)", out)
+        assert len(saving) == 1, out[-3000:]
+        steps.append(int(saving[0]))
+        assert "final:" not in out
+    stopped = steps[0]
+    assert steps[1] == stopped and 3 <= stopped < TWO_PROCESS_STEPS, steps
+    print(f"both processes saved step {stopped}")
+    saved = [p.name for p in (workdir / "checkpoints").iterdir()]
+    assert saved == [str(stopped)], saved
+    state, data = saved_state(workdir)
+    assert int(state["step"]) == stopped and data["train"] == {"index": stopped}
+    # Both processes resume and end where the uninterrupted run ended, bit for bit.
+    outs = run_two_processes(workdir, only_preemption_saves)
+    assert f"resumed from step {stopped}" in outs[0]
+    a, data_a = saved_state(two_processes[0])
+    b, data_b = saved_state(workdir)
+    assert int(a["step"]) == int(b["step"]) == TWO_PROCESS_STEPS and data_a == data_b
+    assert_bitwise_equal(a, b)
 
 
 def test_mesh_shape_resolution_and_errors():
