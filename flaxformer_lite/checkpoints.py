@@ -23,6 +23,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True) -> None:
         self.directory = str(paths.resolve(directory))  # local: absolute; gs://: as is
+        paths.refresh(self.directory)  # see the steps other processes wrote until now
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
@@ -92,4 +93,5 @@ def finished_steps(directory: str) -> list[int]:
     """Sorted steps of the complete checkpoints in ``directory`` (local or ``gs://``); [] if it
     does not exist. A step Orbax is still writing, or that a killed run left half written, is
     not listed (Orbax's own test: no temporary name locally, ``commit_success.txt`` on GCS)."""
+    paths.refresh(directory)  # another process (a training job) may have added steps
     return sorted(ocp.utils.checkpoint_steps(paths.resolve(directory)))

@@ -56,3 +56,13 @@ def write_atomic(path: PathLike, data: bytes | str) -> None:
     with open(tmp_path, "wb") as f:
         f.write(payload)
     os.replace(tmp_path, path)
+
+
+def refresh(path: PathLike) -> None:
+    """Forgets this process's cached listings of a URI's filesystem (gcsfs keeps every listing
+    for the life of the process), so the next listing sees what other processes wrote since:
+    e.g. checkpoints a running training job added. No-op for a local path."""
+    if is_uri(path):
+        from etils.epath import backend  # the filesystem instance epath.Path itself uses
+
+        backend.fsspec_backend.fs(os.fspath(path)).invalidate_cache()
