@@ -31,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _honour_generation_preconditions():
+def honour_generation_preconditions():
     """Teaches gcp-storage-emulator what real GCS does and tensorstore relies on: the
     ``x-goog-generation`` header on downloads, ``ifGenerationNotMatch`` (304 Not Modified) and
     ``ifGenerationMatch`` (412 Precondition Failed) on downloads and uploads. Without them
@@ -135,7 +135,7 @@ def gcs(tmp_path_factory) -> dict[str, str]:
     # fsspec reads FSSPEC_* when first imported, which may have been before this fixture.
     saved_conf = fsspec.config.conf.get("gs")
     fsspec.config.conf["gs"] = {**(saved_conf or {}), "token": "anon"}
-    undo = _honour_generation_preconditions()
+    undo = honour_generation_preconditions()
     emulator = server.create_server("127.0.0.1", port, in_memory=True, default_bucket="bucket")
     emulator.start()
     try:

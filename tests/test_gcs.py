@@ -24,7 +24,7 @@ from flaxformer_lite.tokenizer import Tokenizer, load_or_train
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import ROOT, _train_cmd, _wait_for_checkpoint, final_params  # noqa: E402
 
-STEPS = 60  # room for the kill to land mid-run: a save waits for the previous one
+STEPS = 30  # room for the kill to land mid-run: each save waits for the previous one
 SOURCES = ["31415", "2718", "1414", "57721", "6"]
 
 
