@@ -3,6 +3,7 @@
     python train.py --config configs/default.py --workdir runs/default
     python train.py --config configs/multi30k.py --workdir runs/m30k \
         --config.data_dir=../shared/data/multi30k --config.num_train_steps=100
+    python train.py --config configs/default.py --workdir gs://BUCKET/run  # everything in GCS
 
 A workdir that already holds checkpoints resumes from the latest one: parameters, optimizer
 state, RNG and the position in the data stream, so an interrupted run ends exactly where an
@@ -27,7 +28,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flaxformer_lite import flops, losses, optim, sharding, tasks
+from flaxformer_lite import flops, losses, optim, paths, sharding, tasks
 from flaxformer_lite.checkpoints import Checkpointer
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import continue_prompt, generate
@@ -336,8 +337,8 @@ def train_and_evaluate(
     and schedulers use it); a later call on the same workdir continues. Both, and SIGTERM
     (see ``Preemption``), return ``{}`` once the checkpoint is written.
     """
-    workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    workdir = str(paths.resolve(workdir))  # a local path (made absolute) or a gs:// URI
+    paths.makedirs(workdir)
     is_main = jax.process_index() == 0
     log = print if is_main else (lambda *a, **k: None)
 
@@ -350,10 +351,9 @@ def train_and_evaluate(
     cfg = model_config(config, task)
     model = build_model(task.kind, cfg)
     if is_main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
-        with open(os.path.join(workdir, "model_config.json"), "w") as f:
-            f.write(cfg.to_json())
+        run_json = config.to_json_best_effort(indent=2)
+        paths.write_atomic(os.path.join(workdir, "config.json"), run_json)
+        paths.write_atomic(os.path.join(workdir, "model_config.json"), cfg.to_json())
 
     # Optimizer, mesh, and the train state initialised directly into its shards.
     schedule = optim.make_schedule(

@@ -4,7 +4,7 @@
         --text "A man rides a bike." --out maps/
 
 Writes one PNG per layer and kind, each a grid of its heads, axes labelled with the subword
-pieces:
+pieces (``--workdir`` and ``--out`` may be ``gs://`` URIs):
 
   encoder_self_layer{i}.png     queries: source pieces, keys: source pieces
   decoder_self_layer{i}.png     queries: generated pieces, keys: decoder inputs (BOS, shifted)
@@ -23,7 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from etils import epath
 
+from flaxformer_lite import paths
 from flaxformer_lite.inference import Translator
 from flaxformer_lite.translate import plain_warnings
 
@@ -76,14 +78,16 @@ def plot_heads(
         ax.set_yticks(range(q_len), labels=list(query_labels), fontsize=7)
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     fig.suptitle(title)
-    fig.savefig(path, dpi=100)
+    with epath.Path(path).open("wb") as f:  # local or gs://
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
 
 
 def write_maps(maps: dict[str, Any], out_dir: str) -> list[str]:
-    """All PNGs of ``Translator.attention`` output ``maps`` into ``out_dir``; returns the paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
+    """All PNGs of ``Translator.attention`` output ``maps`` into ``out_dir`` (local or ``gs://``);
+    returns the paths."""
+    paths.makedirs(out_dir)
+    written = []
     for kind, (key, queries, keys, title) in KINDS.items():
         for layer, weights in enumerate(maps[key]):
             path = os.path.join(out_dir, f"{kind}_layer{layer}.png")
@@ -94,8 +98,8 @@ def write_maps(maps: dict[str, Any], out_dir: str) -> list[str]:
                 f"{title}, layer {layer}",
                 path,
             )
-            paths.append(path)
-    return paths
+            written.append(path)
+    return written
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -122,11 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    paths = write_maps(maps, args.out)
+    written = write_maps(maps, args.out)
     print(f"source:      {' '.join(maps['source_pieces'])}")
     print(f"translation: {maps['translation']}")
     print(f"pieces:      {' '.join(maps['target_pieces'])}")
-    print(f"wrote {len(paths)} figures to {os.path.abspath(args.out)}")
+    print(f"wrote {len(written)} figures to {paths.resolve(args.out)}")
     return 0
 
 

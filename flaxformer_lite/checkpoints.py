@@ -1,17 +1,20 @@
 """Orbax checkpoints of the train state plus the data position, atomic and resumable.
 
-Orbax writes each step into a temporary directory and renames it when complete, so a run killed
-mid-save leaves the previous checkpoint intact; the unfinished directory is ignored on restart.
-Saving is asynchronous: training continues while the arrays are written.
+Orbax writes each step into a temporary directory and renames it when complete (on ``gs://``,
+which has no rename, it writes ``commit_success.txt`` last instead), so a run killed mid-save
+leaves the previous checkpoint intact; the unfinished step is ignored on restart. Saving is
+asynchronous: training continues while the arrays are written. The directory may be local or a
+``gs://`` URI (tensorstore writes the arrays there directly).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from flaxformer_lite import paths
 
 
 class _Manager(ocp.CheckpointManager):
@@ -34,7 +37,8 @@ class Checkpointer:
     ``directory``; all processes of a multi-host run call every method."""
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True) -> None:
-        self.directory = os.path.abspath(directory)
+        self.directory = str(paths.resolve(directory))  # local: absolute; gs://: as is
+        paths.refresh(self.directory)  # see the steps other processes wrote until now
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
@@ -98,3 +102,11 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def finished_steps(directory: str) -> list[int]:
+    """Sorted steps of the complete checkpoints in ``directory`` (local or ``gs://``); [] if it
+    does not exist. A step Orbax is still writing, or that a killed run left half written, is
+    not listed (Orbax's own test: no temporary name locally, ``commit_success.txt`` on GCS)."""
+    paths.refresh(directory)  # another process (a training job) may have added steps
+    return sorted(ocp.utils.checkpoint_steps(paths.resolve(directory)))

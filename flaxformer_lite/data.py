@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+from etils import epath
 
+from flaxformer_lite import paths
 from flaxformer_lite.tokenizer import EOS_ID, PAD_ID, Tokenizer, load_or_train
 
 DATA_FORMATS = ("parallel_text", "tsv", "jsonl")
@@ -83,12 +85,16 @@ def normalize(text: str) -> str:
 
 
 def _read_lines(path: str) -> list[str]:
-    if not os.path.isfile(path):
+    """Lines of a local or ``gs://`` text file, without their newline."""
+    file = epath.Path(path)
+    if not file.is_file():
         raise FileNotFoundError(f"data file not found: {path}")
-    # newline="\n": split on "\n" only. Universal newlines (and str.splitlines) would also
-    # split on "\r", U+2028, U+0085, ... inside a line and break the source/target alignment.
-    with open(path, encoding="utf-8", newline="\n") as f:
-        return [line.rstrip("\n") for line in f]
+    # Split on "\n" only. Universal newlines (and str.splitlines) would also split on "\r",
+    # U+2028, U+0085, ... inside a line and break the source/target alignment.
+    lines = file.read_bytes().decode("utf-8").split("\n")
+    if lines[-1] == "":  # the final newline ends the last line; it does not start a new one
+        lines.pop()
+    return lines
 
 
 def read_parallel_files(
@@ -137,7 +143,7 @@ def _load_local_table(
     """
     import datasets  # Slow to import: only when a table is actually read.
 
-    if not os.path.isfile(path):
+    if not epath.Path(path).is_file():  # `datasets` itself reads local and gs:// files
         raise FileNotFoundError(f"data file not found: {path}")
     if data_format == "tsv":
         table = datasets.load_dataset(
@@ -755,7 +761,7 @@ def build_translation_data(
     train_pairs = load_pairs(split=config.train_split, stats=stats, **source)
     eval_pairs = load_pairs(split=config.eval_split, stats=eval_stats, **source)
 
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     spm_kwargs = {"model_type": config.spm_model_type, "seed": config.seed}
     if config.shared_vocab:
         src_tokenizer = tgt_tokenizer = load_or_train(

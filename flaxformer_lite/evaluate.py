@@ -3,6 +3,8 @@
     python -m flaxformer_lite.evaluate --workdir runs/m30k \
         --source test2016.en --reference test2016.de --output test2016.hyp
 
+Every path (workdir, source, reference, output, report) may be a ``gs://`` URI.
+
 Prints the cased BLEU with sacrebleu's signature (the line to publish: it pins the tokenizer,
 smoothing and version), the lowercased BLEU, and the exact-match rate; writes the hypotheses
 (``--output``) and a JSON record of the scores and decoding settings (``--report``).
@@ -14,6 +16,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+from etils import epath
 
 from flaxformer_lite.inference import Translator
 from flaxformer_lite.translate import (
@@ -108,9 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "signature_lowercase": report["signature_lowercase"],
             "exact_match": report["exact_match"],
         }
-        with open(args.report, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2)
-            f.write("\n")
+        epath.Path(args.report).write_bytes((json.dumps(record, indent=2) + "\n").encode("utf-8"))
     return 0
 
 

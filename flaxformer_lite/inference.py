@@ -6,9 +6,10 @@
     translator.translate(["A man rides a bike.", ""], method="beam")  # -> ["Ein Mann ...", ""]
     translator.attention("A man rides a bike.")  # pieces + attention weights, for plots
 
-A workdir written by ``train.py`` holds ``model_config.json``, ``config.json``, the vocabulary
-(``spm_shared.model``, or ``spm_src.model`` + ``spm_tgt.model``, or ``vocab.json`` for the
-synthetic task) and Orbax checkpoints in ``checkpoints/<step>/``. Only the parameters are read
+A workdir written by ``train.py`` (a local folder or a ``gs://`` URI) holds
+``model_config.json``, ``config.json``, the vocabulary (``spm_shared.model``, or
+``spm_src.model`` + ``spm_tgt.model``, or ``vocab.json`` for the synthetic task) and Orbax
+checkpoints in ``checkpoints/<step>/``. Only the parameters are read
 from a checkpoint (Orbax partial restore): the optimizer state, twice their size with Adam,
 never leaves the disk.
 
@@ -23,7 +24,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
@@ -31,7 +31,9 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
+from flaxformer_lite import paths
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import METHODS, generate
 from flaxformer_lite.models import EncoderDecoder, unrolled
@@ -73,17 +75,15 @@ def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
     """
     from flaxformer_lite.tokenizer import Tokenizer  # sentencepiece: only when needed
 
-    def path(name: str) -> str:
-        return os.path.join(workdir, name)
-
-    if os.path.isfile(path("spm_shared.model")):
-        shared = Tokenizer.load(path("spm_shared.model"))
+    root = epath.Path(workdir)
+    spm = {name: root / f"spm_{name}.model" for name in ("shared", "src", "tgt")}
+    if spm["shared"].is_file():
+        shared = Tokenizer.load(str(spm["shared"]))
         return shared, shared
-    if os.path.isfile(path("spm_src.model")) and os.path.isfile(path("spm_tgt.model")):
-        return Tokenizer.load(path("spm_src.model")), Tokenizer.load(path("spm_tgt.model"))
-    if os.path.isfile(path("vocab.json")):
-        with open(path("vocab.json")) as f:
-            vocab = SymbolVocabulary(json.load(f)["symbols"])
+    if spm["src"].is_file() and spm["tgt"].is_file():
+        return Tokenizer.load(str(spm["src"])), Tokenizer.load(str(spm["tgt"]))
+    if (root / "vocab.json").is_file():
+        vocab = SymbolVocabulary(json.loads((root / "vocab.json").read_text())["symbols"])
         return vocab, vocab
     raise FileNotFoundError(
         f"no vocabulary in {workdir}: expected spm_shared.model, spm_src.model + spm_tgt.model "
@@ -95,15 +95,16 @@ def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
 
 
 def _checkpoint_steps(checkpoint_dir: str) -> list[int]:
-    """Finished checkpoint steps. Orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames
-    on success, so a directory named by a bare integer is complete."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    return sorted(
-        int(name)
-        for name in os.listdir(checkpoint_dir)
-        if name.isdigit() and os.path.isdir(os.path.join(checkpoint_dir, name, "state"))
-    )
+    """Finished checkpoint steps that hold a train state (local or ``gs://``): Orbax's own test
+    of completeness (``checkpoints.finished_steps``), so a step still being written, or left
+    half written by a killed run, is never read."""
+    from flaxformer_lite.checkpoints import finished_steps  # orbax: only when needed
+
+    return [
+        s
+        for s in finished_steps(checkpoint_dir)
+        if (epath.Path(checkpoint_dir) / str(s) / "state").is_dir()
+    ]
 
 
 def average_params(checkpoint_dir: str, steps: Sequence[int], expected: Any) -> Any:
@@ -154,7 +155,7 @@ def restore_params(checkpoint_dir: str, step: int, expected: Any) -> Any:
     """
     import orbax.checkpoint as ocp  # slow import: only when a checkpoint is read
 
-    item = os.path.join(checkpoint_dir, str(step), "state")
+    item = epath.Path(checkpoint_dir) / str(step) / "state"
     checkpointer = ocp.PyTreeCheckpointer()
     with _quiet_absl():
         metadata = checkpointer.metadata(item)
@@ -244,7 +245,7 @@ class Translator:
         """Loads the model config, vocabulary and parameters of a ``train.py`` workdir.
 
         Args:
-          workdir: the run's folder.
+          workdir: the run's folder (local or a ``gs://`` URI).
           step: checkpoint step to load; None = the latest.
           average: use the mean parameters of the ``average`` last checkpoints up to ``step``
             (checkpoint averaging; 1 = that checkpoint alone).
@@ -256,22 +257,21 @@ class Translator:
           ValueError: the run is not a sequence-to-sequence one, or the vocabulary or the
             checkpoint does not match ``model_config.json``.
         """
-        workdir = os.path.abspath(workdir)
-        if not os.path.isdir(workdir):
+        root = paths.resolve(workdir)  # local: absolute; gs://: as is
+        workdir = str(root)
+        if not root.is_dir():
             raise FileNotFoundError(f"workdir {workdir} does not exist")
-        config_path = os.path.join(workdir, "model_config.json")
-        if not os.path.isfile(config_path):
+        config_path = root / "model_config.json"
+        if not config_path.is_file():
             raise FileNotFoundError(f"no model_config.json in {workdir}: is it a train.py workdir?")
         try:
-            with open(config_path) as f:
-                config = TransformerConfig.from_json(f.read())
+            config = TransformerConfig.from_json(config_path.read_text())
         except ValueError as e:  # also json.JSONDecodeError
             raise ValueError(f"invalid {config_path}: {e}") from e
         run: dict[str, Any] = {}
-        run_path = os.path.join(workdir, "config.json")
-        if os.path.isfile(run_path):
-            with open(run_path) as f:
-                run = json.load(f)
+        run_path = root / "config.json"
+        if run_path.is_file():
+            run = json.loads(run_path.read_text())
         task = run.get("task", "translation")
         if task not in SEQ2SEQ_TASKS:
             raise ValueError(
@@ -290,7 +290,7 @@ class Translator:
                     f"model_config.json says {size}"
                 )
 
-        checkpoint_dir = os.path.join(workdir, "checkpoints")
+        checkpoint_dir = str(root / "checkpoints")
         steps = _checkpoint_steps(checkpoint_dir)
         if not steps:
             raise FileNotFoundError(

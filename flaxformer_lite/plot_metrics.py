@@ -2,6 +2,8 @@
 
     python -m flaxformer_lite.plot_metrics --workdir runs/m30k --output loss.png
 
+The workdir and the output may be ``gs://`` URIs.
+
 Reads ``metrics.jsonl``; the loss plotted is the cross-entropy per target token without label
 smoothing (the log of ``*/perplexity``), so training and validation are comparable. Time is
 minutes since the first record (a resumed run shows its pause as a gap).
@@ -13,6 +15,8 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
+
+from etils import epath
 
 from flaxformer_lite.metrics import read_metrics
 
@@ -36,7 +40,8 @@ def loss_curves(records: Sequence[dict]) -> dict[str, tuple[list[float], list[fl
 
 
 def plot_loss(records: Sequence[dict], output: str, title: str = "") -> None:
-    """Writes the PNG of :func:`loss_curves` to ``output``."""
+    """Writes the figure of :func:`loss_curves` to ``output`` (local or ``gs://``; the format
+    follows the extension, PNG by default)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,7 +59,8 @@ def plot_loss(records: Sequence[dict], output: str, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(output)
+    with epath.Path(output).open("wb") as f:
+        fig.savefig(f, format=epath.Path(output).suffix.lstrip(".") or None)
     plt.close(fig)
 
 

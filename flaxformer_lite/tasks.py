@@ -19,9 +19,10 @@ import types
 from typing import Any
 
 import numpy as np
+from etils import epath
 
 from flaxformer_lite import data as data_lib
-from flaxformer_lite import synthetic
+from flaxformer_lite import paths, synthetic
 from flaxformer_lite.tokenizer import Tokenizer, load_or_train
 
 TASKS = ("synthetic", "translation", "lm", "classification")
@@ -73,8 +74,12 @@ def _synthetic(config: Any, workdir: str, process_index: int, process_count: int
         process_index=process_index,
         process_count=process_count,
     )
-    with open(os.path.join(workdir, "vocab.json"), "w") as f:
-        json.dump({"task": s.name, "symbols": gen.vocab.symbols}, f)
+    if process_index == 0:  # one writer: the workdir is shared (and an object store limits
+        # how often one object may be rewritten)
+        paths.write_atomic(
+            os.path.join(workdir, "vocab.json"),
+            json.dumps({"task": s.name, "symbols": gen.vocab.symbols}),
+        )
     rows = config.batch_size
     evals = []
     for sl in _chunks(s.num_eval, rows):
@@ -255,7 +260,8 @@ def _classification(config: Any, workdir: str, process_index: int, process_count
 def build_task(
     config: Any, workdir: str, *, process_index: int = 0, process_count: int = 1
 ) -> Task:
-    """The data side of a run, as described by ``config.task``."""
+    """The data side of a run, as described by ``config.task``. ``workdir`` (where vocabularies
+    are saved) and local data paths in ``config`` may be ``gs://`` URIs."""
     builders = {
         "synthetic": _synthetic,
         "translation": _translation,
@@ -264,7 +270,7 @@ def build_task(
     }
     if config.task not in builders:
         raise ValueError(f"config.task must be one of {TASKS}; got {config.task!r}")
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     return builders[config.task](config, workdir, process_index, process_count)
 
 
@@ -272,6 +278,6 @@ def load_tokenizer(workdir: str) -> Tokenizer | None:
     """The target-side SentencePiece model saved in a workdir, if any."""
     for name in ("spm_shared.model", "spm_tgt.model", "spm_lm.model", "spm_cls.model"):
         path = os.path.join(workdir, name)
-        if os.path.isfile(path):
+        if epath.Path(path).is_file():
             return Tokenizer.load(path)
     return None

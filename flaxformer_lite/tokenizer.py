@@ -13,6 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import sentencepiece as spm
+from etils import epath
+
+from flaxformer_lite import paths
 
 PAD_ID = 0
 EOS_ID = 1
@@ -51,10 +54,12 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
-        """Loads a model written by :meth:`train`."""
-        if not os.path.isfile(path):
+        """Loads a model written by :meth:`train` (a local path or a ``gs://`` URI)."""
+        file = epath.Path(path)
+        if not file.is_file():
             raise FileNotFoundError(f"SentencePiece model not found: {path}")
-        return cls(spm.SentencePieceProcessor(model_file=path), path)
+        # Read as bytes so any epath filesystem works (SentencePiece only opens local files).
+        return cls(spm.SentencePieceProcessor(model_proto=file.read_bytes()), path)
 
     @classmethod
     def train(
@@ -74,8 +79,9 @@ class Tokenizer:
 
         Args:
           texts: training sentences (one string each); consumed once.
-          model_path: output file; written atomically (tmp file then ``os.replace``) so a
-            concurrent reader or a crash never sees half a model.
+          model_path: output file (local or ``gs://``); written atomically
+            (:func:`paths.write_atomic`) so a concurrent reader or a crash never sees half a
+            model.
           vocab_size: requested vocabulary size including the 4 special pieces. It is a soft
             limit (``hard_vocab_limit=False``): a corpus too small for it yields a smaller
             vocabulary instead of an error, so always read :attr:`vocab_size` afterwards.
@@ -118,12 +124,7 @@ class Tokenizer:
             num_threads=num_threads or os.cpu_count() or 1,
             minloglevel=2,
         )
-        directory = os.path.dirname(os.path.abspath(model_path))
-        os.makedirs(directory, exist_ok=True)
-        tmp_path = f"{model_path}.tmp.{os.getpid()}"
-        with open(tmp_path, "wb") as f:
-            f.write(model.getvalue())
-        os.replace(tmp_path, model_path)
+        paths.write_atomic(model_path, model.getvalue())
         return cls.load(model_path)
 
     # ------------------------------------------------------------------ properties
@@ -199,6 +200,6 @@ def load_or_train(
     checkpoint was trained with. ``texts_fn`` is a function so the corpus is only read
     when training is needed.
     """
-    if os.path.isfile(path):
+    if epath.Path(path).is_file():
         return Tokenizer.load(path)
     return Tokenizer.train(texts_fn(), path, vocab_size, **train_kwargs)

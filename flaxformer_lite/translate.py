@@ -1,6 +1,8 @@
 """Translate a file (or stdin) with a trained workdir, one output line per input line.
 
     python -m flaxformer_lite.translate --workdir runs/m30k --input test.en --output test.hyp
+    python -m flaxformer_lite.translate --workdir gs://BUCKET/run --input gs://BUCKET/test.en \
+        --output gs://BUCKET/test.hyp
     echo "A dog runs." | python -m flaxformer_lite.translate --workdir runs/m30k --method greedy
 
 Lines are split on "\\n" only, so output line i always translates input line i; an empty input
@@ -15,12 +17,15 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from etils import epath
+
 from flaxformer_lite.generate import METHODS
 from flaxformer_lite.inference import Translator
 
 
 def read_lines(path: str | None) -> list[str]:
-    """Lines of ``path`` (stdin for None or "-"), split on "\\n" only, without the newline.
+    """Lines of ``path`` (local or ``gs://``; stdin for None or "-"), split on "\\n" only,
+    without the newline.
 
     Universal newlines would also split on "\\r", U+2028, U+0085 ... inside a sentence and
     shift every later output line against its input.
@@ -28,8 +33,7 @@ def read_lines(path: str | None) -> list[str]:
     if path in (None, "-"):
         text = sys.stdin.buffer.read().decode("utf-8")
     else:
-        with open(path, encoding="utf-8", newline="") as f:
-            text = f.read()
+        text = epath.Path(path).read_bytes().decode("utf-8")
     if not text:
         return []
     lines = text.split("\n")
@@ -39,15 +43,14 @@ def read_lines(path: str | None) -> list[str]:
 
 
 def write_lines(path: str | None, lines: Sequence[str]) -> None:
-    """Writes one line per entry (stdout for None or "-"); newlines inside an entry become
-    spaces so the line count always matches."""
+    """Writes one line per entry to ``path`` (local or ``gs://``; stdout for None or "-");
+    newlines inside an entry become spaces so the line count always matches."""
     text = "".join(" ".join(line.split("\n")) + "\n" for line in lines)
     if path in (None, "-"):
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
-        with open(path, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
+        epath.Path(path).write_bytes(text.encode("utf-8"))
 
 
 def plain_warnings() -> None:

@@ -29,3 +29,135 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder {SHARED_DATA} is absent (set FLAXFORMER_SHARED_DATA)")
     return SHARED_DATA
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for a localhost server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def honour_generation_preconditions():
+    """Teaches gcp-storage-emulator what real GCS does and tensorstore relies on: the
+    ``x-goog-generation`` header on downloads, ``ifGenerationNotMatch`` (304 Not Modified) and
+    ``ifGenerationMatch`` (412 Precondition Failed) on downloads and uploads. Without them
+    tensorstore's OCDBT driver (Orbax's checkpoint format) fails on a tree of more than a few
+    dozen arrays with "Malformed StorageGeneration". Returns a function that undoes it."""
+    from http import HTTPStatus
+
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.handlers import objects
+
+    def failed(request, storage, bucket, name):
+        """(status the preconditions give, current generation; "0" = no such object)."""
+        keys = ("ifGenerationMatch", "ifGenerationNotMatch")
+        match, not_match = (request.query.get(k, [None])[0] for k in keys)
+        if match is None and not_match is None:
+            return None, None
+        try:
+            current = storage.get_file_obj(bucket, name)["generation"]
+        except NotFound:
+            current = "0"
+        if match is not None and match != current:
+            return HTTPStatus.PRECONDITION_FAILED, current
+        if not_match is not None and not_match == current:
+            return HTTPStatus.NOT_MODIFIED, current
+        return None, current
+
+    download, insert = objects.download, objects.insert
+
+    def checked_download(request, response, storage, *args, **kwargs):
+        bucket, name = request.params["bucket_name"], request.params["object_id"]
+        status, current = failed(request, storage, bucket, name)
+        if status is not None and current != "0":
+            response.status = status
+            response["x-goog-generation"] = current
+            return
+        download(request, response, storage, *args, **kwargs)
+        if response.status in (HTTPStatus.OK, HTTPStatus.PARTIAL_CONTENT):
+            obj = storage.get_file_obj(bucket, name)
+            response["x-goog-generation"] = obj["generation"]
+            response["x-goog-metageneration"] = obj.get("metageneration", "1")
+
+    def checked_insert(request, response, storage, *args, **kwargs):
+        name = request.query.get("name", [None])[0]
+        if name is not None and failed(request, storage, request.params["bucket_name"], name)[0]:
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            return
+        insert(request, response, storage, *args, **kwargs)
+
+    swaps = {download: checked_download, insert: checked_insert}
+
+    def swap(table: dict) -> None:
+        for _, handlers in server.HANDLERS:
+            for method, handler in handlers.items():
+                handlers[method] = table.get(handler, handler)
+
+    objects.download, objects.insert = checked_download, checked_insert  # objects.get calls it
+    swap(swaps)
+
+    def undo() -> None:
+        objects.download, objects.insert = download, insert
+        swap({new: old for old, new in swaps.items()})
+
+    return undo
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory) -> dict[str, str]:
+    """A real GCS JSON API server on localhost (gcp-storage-emulator, in memory, in a thread of
+    this process) with one bucket, ``gs://bucket``, for the session.
+
+    Returns the environment that points every client at it, anonymously; it is also set in
+    ``os.environ`` for in-process calls (subprocesses: ``env={**os.environ, ...}``) and restored
+    afterwards:
+      STORAGE_EMULATOR_HOST              gcsfs (epath's gs://) and google-cloud-storage
+                                         (tensorboardX's gs:// writer)
+      GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT  "false": else every gcsfs call first waits 60 s on a
+                                         gRPC probe the emulator does not answer
+      FSSPEC_GS_TOKEN                    "anon": gcsfs sends no credentials
+      TENSORSTORE_GCS_HTTP_URL           tensorstore (Orbax's array writer)
+      CLOUDSDK_CONFIG, GCE_METADATA_ROOT an empty gcloud folder and a closed port: tensorstore
+                                         finds no credentials (no user's, no VM's) and goes
+                                         anonymous
+    """
+    server = pytest.importorskip("gcp_storage_emulator.server")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        "STORAGE_EMULATOR_HOST": url,
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "FSSPEC_GS_TOKEN": "anon",
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "CLOUDSDK_CONFIG": str(tmp_path_factory.mktemp("gcloud")),
+        "GCE_METADATA_ROOT": f"127.0.0.1:{free_port()}",
+    }
+    saved = {k: os.environ.get(k) for k in (*env, "GOOGLE_APPLICATION_CREDENTIALS")}
+    os.environ.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    os.environ.update(env)
+    import fsspec.config
+
+    # fsspec reads FSSPEC_* when first imported, which may have been before this fixture.
+    saved_conf = fsspec.config.conf.get("gs")
+    fsspec.config.conf["gs"] = {**(saved_conf or {}), "token": "anon"}
+    undo = honour_generation_preconditions()
+    emulator = server.create_server("127.0.0.1", port, in_memory=True, default_bucket="bucket")
+    emulator.start()
+    try:
+        yield env
+    finally:
+        emulator.stop()
+        undo()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if saved_conf is None:
+            fsspec.config.conf.pop("gs", None)
+        else:
+            fsspec.config.conf["gs"] = saved_conf

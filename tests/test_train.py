@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from flaxformer_lite import losses, optim  # noqa: E402
-from flaxformer_lite.checkpoints import Checkpointer  # noqa: E402
+from flaxformer_lite.checkpoints import Checkpointer, finished_steps  # noqa: E402
 from flaxformer_lite.metrics import read_metrics  # noqa: E402
 
 
@@ -61,8 +61,8 @@ def tiny_config(**overrides):
     return c
 
 
-def final_params(workdir: Path):
-    ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
+def final_params(workdir: Path | str):
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
     state, data = ckpt.restore()
     ckpt.close()
     return state, data
@@ -116,13 +116,15 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     assert np.abs(kernel(b) - kernel(state_half)).max() > 1e-5
 
 
-def _train_cmd(workdir: Path, steps: int) -> list[str]:
+def _train_cmd(workdir: Path | str, steps: int, **config) -> list[str]:
+    """``python train.py`` on the default config with tiny overrides (and ``config``'s)."""
     overrides = {
         **TINY_OVERRIDES,
         "num_train_steps": steps,
         "checkpoint_every": 5,
         "eval_every": 0,
         "log_every": 5,
+        **config,
     }
     cmd = [
         sys.executable,
@@ -146,11 +148,11 @@ def _train_cmd(workdir: Path, steps: int) -> list[str]:
     return cmd
 
 
-def _wait_for_checkpoint(workdir: Path, proc: subprocess.Popen, timeout: float = 240) -> int:
+def _wait_for_checkpoint(workdir: Path | str, proc: subprocess.Popen, timeout: float = 240) -> int:
+    """The latest complete checkpoint step once one exists in ``workdir`` (local or gs://)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        ckpts = workdir / "checkpoints"
-        steps = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts.exists() else []
+        steps = finished_steps(os.path.join(workdir, "checkpoints"))
         if steps:
             return max(steps)
         if proc.poll() is not None:
