@@ -18,12 +18,14 @@ import pytest  # noqa: E402
 from flaxformer_lite.data import (  # noqa: E402
     BatchStream,
     DataStats,
+    EncodedPairs,
     batch_by_tokens,
     bucket_boundaries,
     build_translation_data,
     classification_batches,
     encode_labeled,
     encode_pairs,
+    first_fit_rows,
     lm_batches,
     load_labeled,
     load_pairs,
@@ -403,6 +405,72 @@ def test_packing_never_splits_examples():
     assert padding_fraction(batches) < 0.2  # packs much tighter than one example per row
 
 
+def old_pack_examples(examples, *, length, rows_per_batch, seed=0, epoch=0, shuffle=True):
+    """The scan-every-open-row packer this project had before (O(examples x rows)): the
+    independent reference for the linear-time one."""
+    n = len(examples)
+    in_len = np.asarray([len(e["inputs"]) for e in examples], dtype=np.int64)
+    tgt_len = np.asarray([len(e["targets"]) for e in examples], dtype=np.int64)
+    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    in_fill = np.zeros(n, dtype=np.int64)
+    tgt_fill = np.zeros(n, dtype=np.int64)
+    row_members = []
+    for i in order:
+        open_rows = len(row_members)
+        fits = (in_fill[:open_rows] + in_len[i] <= length) & (
+            tgt_fill[:open_rows] + tgt_len[i] <= length
+        )
+        row = int(np.argmax(fits)) if fits.any() else open_rows
+        if row == open_rows:
+            row_members.append([])
+        row_members[row].append(int(i))
+        in_fill[row] += in_len[i]
+        tgt_fill[row] += tgt_len[i]
+    batches = []
+    for start in range(0, len(row_members), rows_per_batch):
+        batch = {
+            f"{side}{suffix}": np.zeros((rows_per_batch, length), dtype=np.int32)
+            for side in ("inputs", "targets")
+            for suffix in ("", "_segmentation", "_position")
+        }
+        for r, members in enumerate(row_members[start : start + rows_per_batch]):
+            for side in ("inputs", "targets"):
+                offset = 0
+                for segment, i in enumerate(members, start=1):
+                    seq = examples[i][side]
+                    end = offset + len(seq)
+                    batch[side][r, offset:end] = seq
+                    batch[f"{side}_segmentation"][r, offset:end] = segment
+                    batch[f"{side}_position"][r, offset:end] = np.arange(len(seq))
+                    offset = end
+        batches.append(batch)
+    return batches
+
+
+@pytest.mark.parametrize(
+    "n, max_len, length, shuffle",
+    [(1, 4, 4, True), (40, 8, 8, False), (700, 12, 16, True), (1200, 24, 32, True)],
+)
+def test_packing_equals_the_old_first_fit_on_random_input(n, max_len, length, shuffle):
+    # Uncorrelated source and target lengths: the case where first fit on two sides is hardest.
+    examples = random_examples(n, seed=n, max_len=max_len)
+    kw = {"length": length, "rows_per_batch": 8, "seed": 3, "epoch": 1, "shuffle": shuffle}
+    assert_same_batches(pack_examples(examples, **kw), old_pack_examples(examples, **kw))
+    # The same plan from the flat cache layout (what training reads).
+    assert_same_batches(
+        pack_examples(EncodedPairs.from_examples(examples), **kw), old_pack_examples(examples, **kw)
+    )
+
+
+def test_first_fit_rows_matches_a_scan_with_one_long_pointer_jump():
+    # Many rows that fit small inputs but not the long target: the pointer of the last size
+    # has to cross thousands of rows (the vectorized branch).
+    in_len = np.asarray([1] * 3000 + [1], dtype=np.int64)
+    tgt_len = np.asarray([7] * 3000 + [8], dtype=np.int64)
+    rows = first_fit_rows(in_len, tgt_len, 8)
+    assert rows[:3000].tolist() == list(range(3000)) and rows[-1] == 3000
+
+
 def test_packing_rejects_example_longer_than_row():
     with pytest.raises(ValueError, match="longer than the packing length 4"):
         pack_examples([ex([5, 1], [6, 6, 6, 6, 1])], length=4, rows_per_batch=2)
@@ -631,7 +699,7 @@ def test_build_translation_data_separate_vocab_packing_sharded(tmp_path):
         tmp_path / "data", shared_vocab=False, packing=True, spm_model_type="char"
     )
     td = build_translation_data(config, str(tmp_path / "w"), process_index=1, process_count=2)
-    assert sorted(os.listdir(tmp_path / "w")) == ["spm_src.model", "spm_tgt.model"]
+    assert sorted(os.listdir(tmp_path / "w")) == ["data_cache", "spm_src.model", "spm_tgt.model"]
     assert "ä" in td.tgt_tokenizer.id_to_piece(range(td.tgt_tokenizer.vocab_size))
     assert "ä" not in td.src_tokenizer.id_to_piece(range(td.src_tokenizer.vocab_size))
     rows = rows_for_length(24, 256, 2)
