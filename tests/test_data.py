@@ -10,6 +10,7 @@ import json  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
@@ -685,12 +686,37 @@ def test_build_translation_data_end_to_end(tmp_path):
                 assert td.src_tokenizer.decode(b["inputs"][row]) == src
     assert sorted(seen) == list(range(30))
 
-    # A second build (resumed run) reuses the vocabulary file untouched.
-    mtime = os.stat(workdir / "spm_shared.model").st_mtime_ns
+    # The training split was tokenized once into the cache, which holds exactly its examples.
+    cache = Path(td.cache_dir)
+    assert cache.parent == workdir / "data_cache"
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        ["meta.json", *(f"{name}.npy" for name in EncodedPairs.ARRAYS)]
+    )
+    meta = json.loads((cache / "meta.json").read_text())
+    assert meta["stats"] == {
+        "num_read": 200, "num_empty_dropped": 1, "num_truncated": 0, "num_too_long_dropped": 0
+    }  # fmt: skip
+    pairs = load_pairs(data_dir=str(tmp_path / "data"), split="train", source_lang="en",
+                       target_lang="de")  # fmt: skip
+    expected = encode_pairs(pairs, td.src_tokenizer, td.tgt_tokenizer, max_len=24)
+    cached = EncodedPairs(*(np.load(cache / f"{name}.npy") for name in EncodedPairs.ARRAYS))
+    assert len(cached) == len(expected) == 199
+    for i in (0, 57, 198):
+        for side in ("inputs", "targets"):
+            np.testing.assert_array_equal(cached[i][side], expected[i][side])
+
+    # A second build (resumed run) reuses the vocabulary and the cache untouched, and does
+    # not read the training files (removed here).
+    mtimes = {p: os.stat(p).st_mtime_ns for p in [workdir / "spm_shared.model", *cache.iterdir()]}
+    for name in ("train.en", "train.de"):
+        (tmp_path / "data" / name).unlink()
     again = build_translation_data(config, str(workdir))
-    assert os.stat(workdir / "spm_shared.model").st_mtime_ns == mtime
+    assert {p: os.stat(p).st_mtime_ns for p in mtimes} == mtimes
     assert again.src_tokenizer.vocab_size == td.src_tokenizer.vocab_size
     assert_same_batches(again.train.epoch_batches(), epoch0)
+    # A setting the tokens depend on names another cache (and needs the corpus again).
+    with pytest.raises(FileNotFoundError, match="train.en"):
+        build_translation_data(translation_config(tmp_path / "data", max_len=16), str(workdir))
 
 
 def test_build_translation_data_separate_vocab_packing_sharded(tmp_path):
@@ -728,3 +754,24 @@ def test_importing_data_module_does_not_import_datasets():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_streaming_jsonl_gives_the_same_data_as_the_text_files(tmp_path):
+    # The `datasets` streaming path (what `streaming=True` does for a hub corpus), on local
+    # jsonl files holding the same pairs as parallel text files: same cache contents, same
+    # batches, same eval set.
+    write_corpus(tmp_path / "text")
+    data = tmp_path / "jsonl"
+    data.mkdir()
+    for split in ("train", "val"):
+        en = (tmp_path / "text" / f"{split}.en").read_text(encoding="utf-8").splitlines()
+        de = (tmp_path / "text" / f"{split}.de").read_text(encoding="utf-8").splitlines()
+        rows = "".join(json.dumps({"en": e, "de": d}) + "\n" for e, d in zip(en, de, strict=True))
+        write(data / f"{split}.jsonl", rows)
+    text = build_translation_data(translation_config(tmp_path / "text", packing=True),
+                                  str(tmp_path / "w_text"))  # fmt: skip
+    config = translation_config(data, data_format="jsonl", streaming=True, packing=True)
+    streamed = build_translation_data(config, str(tmp_path / "w_streamed"))
+    assert streamed.stats == text.stats and streamed.stats.num_kept == 199
+    assert streamed.eval_pairs == text.eval_pairs
+    assert_same_batches(streamed.train.epoch_batches(), text.train.epoch_batches())
