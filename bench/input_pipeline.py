@@ -131,6 +131,52 @@ def worker(args: argparse.Namespace) -> None:
     )
 
 
+def old_first_fit_rows(in_len, tgt_len, length):
+    """The packer's row choice before (a scan of every open row per example)."""
+    import numpy as np
+
+    n = len(in_len)
+    in_fill, tgt_fill = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    open_rows, rows = 0, np.empty(n, np.int64)
+    for i in range(n):
+        fits = (in_fill[:open_rows] + in_len[i] <= length) & (
+            tgt_fill[:open_rows] + tgt_len[i] <= length
+        )
+        row = int(np.argmax(fits)) if fits.any() else open_rows
+        open_rows += row == open_rows
+        in_fill[row] += in_len[i]
+        tgt_fill[row] += tgt_len[i]
+        rows[i] = row
+    return rows
+
+
+def packing_bench(workdir: Path) -> dict:
+    """First-fit row choice on the token cache's real lengths (rows of max_len): the old
+    scan against the new pointers, at sizes where the old one still ends."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from flaxformer_lite.data import first_fit_rows
+
+    (cache,) = (workdir / "data_cache").iterdir()
+    in_len = np.diff(np.load(cache / "inputs_offsets.npy"))
+    tgt_len = np.diff(np.load(cache / "targets_offsets.npy"))
+    order = np.random.default_rng(0).permutation(len(in_len))
+    in_len, tgt_len = in_len[order], tgt_len[order]
+    out = {}
+    for n in (20_000, 100_000, len(in_len)):
+        t = time.time()
+        new = first_fit_rows(in_len[:n], tgt_len[:n], CONFIG["max_len"])
+        out[f"new_{n}_s"] = round(time.time() - t, 2)
+        if n <= 20_000:
+            t = time.time()
+            old = old_first_fit_rows(in_len[:n], tgt_len[:n], CONFIG["max_len"])
+            out[f"old_{n}_s"] = round(time.time() - t, 2)
+            assert (old == new).all()
+        print(out, flush=True)
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -190,12 +236,21 @@ def main() -> None:
     parser.add_argument("--num_processes", type=int, default=1)
     parser.add_argument("--address")
     parser.add_argument("--distributed", action="store_true")
+    parser.add_argument(
+        "--packing", action="store_true", help="only: first-fit timing on the cached lengths"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     pairs = 100_000 if args.quick else args.pairs
     base = Path(args.dir)
+    if args.packing:
+        name = "input_pipeline_packing" + ("_quick" if args.quick else "")
+        record = {"pairs": pairs, "max_len": CONFIG["max_len"], "load_average_before": list(
+            os.getloadavg()), **packing_bench(base / "work_after_1")}  # fmt: skip
+        (HERE / "results" / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+        return
     data_dir = base / f"corpus_{pairs}"
     if not (data_dir / "val.de").is_file():
         t = time.time()
