@@ -539,24 +539,31 @@ def _is_local(path: Any) -> bool:
 def save_token_cache(directory: Any, encoded: EncodedPairs, meta: dict[str, Any]) -> None:
     """Writes ``encoded`` as four ``.npy`` files and ``meta.json`` into ``directory``.
 
-    Every file goes to a temporary name first and is renamed into place; ``meta.json``
-    comes last and marks the cache complete, so a reader (another host, a resumed run) never
-    sees half a cache, and a crash mid-write leaves it to be rebuilt. ``directory`` is a
+    Every local file goes to a temporary name first and is renamed into place (an object
+    store writes objects whole); ``meta.json`` comes last and marks the cache complete, so a
+    reader (another host, a resumed run) never sees half a cache, and a crash mid-write
+    leaves it to be rebuilt. ``directory`` is a
     local path or any URI ``etils.epath`` reaches (``gs://...``).
     """
     from etils import epath
 
     directory = epath.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    suffix = f".tmp.{os.getpid()}"
+    # Locally: a temporary name, then an atomic rename. In an object store (gs://) an object
+    # only appears once its upload completes, and a rename is a copy: write in place.
+    suffix = f".tmp.{os.getpid()}" if _is_local(directory) else ""
+
+    def publish(name: str, write: Callable[[Any], None]) -> None:
+        path = directory / f"{name}{suffix}"
+        with path.open("wb") as f:
+            write(f)
+        if suffix:
+            path.rename(directory / name)
+
     for name in EncodedPairs.ARRAYS:
-        tmp = directory / f"{name}.npy{suffix}"
-        with tmp.open("wb") as f:
-            np.save(f, getattr(encoded, name))
-        tmp.rename(directory / f"{name}.npy")
-    tmp = directory / f"meta.json{suffix}"
-    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-    tmp.rename(directory / "meta.json")
+        publish(f"{name}.npy", lambda f, name=name: np.save(f, getattr(encoded, name)))
+    text = json.dumps(meta, indent=1, sort_keys=True).encode()
+    publish("meta.json", lambda f: f.write(text))
 
 
 def load_token_cache(directory: Any, key: dict[str, Any]) -> tuple[EncodedPairs, dict] | None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -111,3 +113,55 @@ def test_eight_permuted_devices_decode_in_reference_order(tmp_path, corpus):
     (p,) = run_workers(tmp_path, tmp_path / "work", corpus, num_processes=1, devices=8)
     assert p["mesh_order"].tolist() != sorted(p["mesh_order"].tolist())
     np.testing.assert_array_equal(p["sharded"], p["single"])
+
+
+GCS_ROUND_TRIP = """
+import numpy as np
+from etils import epath
+from flaxformer_lite.data import EncodedPairs, load_token_cache, save_token_cache
+examples = [{"inputs": np.array([5, 6, 1], np.int32), "targets": np.array([7, 1], np.int32)},
+            {"inputs": np.array([8, 1], np.int32), "targets": np.array([9, 9, 9, 1], np.int32)}]
+cache = "gs://bucket/run/data_cache/train-x"
+save_token_cache(cache, EncodedPairs.from_examples(examples), {"key": {"a": 1}, "stats": {}})
+got, meta = load_token_cache(cache, {"a": 1})
+assert isinstance(got.inputs_tokens, np.memmap)  # copied to local disk, then mapped
+for i, e in enumerate(examples):
+    for side in ("inputs", "targets"):
+        assert got[i][side].tolist() == e[side].tolist()
+assert load_token_cache(cache, {"a": 2}) is None  # another key: not this cache
+names = sorted(p.name for p in epath.Path(cache).iterdir())
+assert names == ["inputs_offsets.npy", "inputs_tokens.npy", "meta.json",
+                 "targets_offsets.npy", "targets_tokens.npy"], names
+print("ok")
+"""
+
+
+def test_token_cache_round_trip_through_a_local_gcs_server(tmp_path):
+    port = free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "gcp-storage-emulator"), "start", "--host",
+         "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", "bucket"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        env = {
+            **os.environ,
+            "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+            "PYTHONPATH": str(ROOT),
+        }
+        for _ in range(100):  # wait for the server
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        done = subprocess.run(
+            [sys.executable, "-c", GCS_ROUND_TRIP], env=env, capture_output=True, text=True,
+            timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+        assert list(tmp_path.iterdir()) == []  # nothing written under the current directory
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
