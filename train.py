@@ -207,22 +207,32 @@ def batch_train_flops(kind: str, cfg: TransformerConfig, batch) -> float:
 # ----------------------------------------------------------------------------- decoding eval
 
 
+def greedy_decode_in_order(params, cfg: TransformerConfig, inputs, mesh, max_len: int):
+    """Greedy tokens ``[rows, max_len]`` of the source rows ``inputs`` ``[rows, len]``, in
+    the order of ``inputs``, on every process.
+
+    Each process feeds its rows with their global index (``sharding.global_rows_with_ids``);
+    the index travels with the row through decoding and the gather, so the result is in
+    reference order for any device-to-process layout of the mesh.
+    """
+    batch = sharding.global_rows_with_ids({"x": np.asarray(inputs)}, mesh)
+    tokens, _ = generate(params, cfg, batch["x"], method="greedy", max_len=max_len)
+    return sharding.gather_in_row_order(tokens, batch[sharding.ROW_ID])
+
+
 def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dict[str, Any]:
     """Greedy-decodes the eval sources: exact match (synthetic) or BLEU (translation).
 
-    Every process decodes its rows; the tokens are gathered so each sees the whole set.
+    Every process decodes its rows; the tokens are gathered, in reference order, so each
+    sees the whole set.
     """
-    from jax.experimental import multihost_utils
-
     hyps, refs, examples = [], [], []
     for inputs, references in zip(task.decode_inputs, task.decode_references, strict=True):
         if task.metric == "exact_match":
             max_len = references.shape[1]
         else:
             max_len = min(cfg.max_len, int(inputs.shape[1] * 1.5) + 10)
-        local = sharding.host_local_to_global(sharding.process_rows({"x": inputs}), mesh)["x"]
-        tokens, _ = generate(params, cfg, local, method="greedy", max_len=max_len)
-        tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
+        tokens = greedy_decode_in_order(params, cfg, inputs, mesh, max_len)
         for row in range(tokens.shape[0]):
             if task.metric == "exact_match":
                 if not references[row].any():

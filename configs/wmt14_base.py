@@ -20,6 +20,10 @@ def get_config():
     c.dataset_config = "de-en"
     c.data_dir = placeholder(str)
     c.data_format = "parallel_text"
+    # True: read the hub corpus with `datasets` streaming (nothing downloaded or held whole;
+    # process 0 reads it once to tokenize into the workdir's token cache, twice if it must
+    # also train the vocabulary), for corpora larger than a host's memory or disk.
+    c.streaming = False
     c.source_lang, c.target_lang = "en", "de"
     c.train_split, c.eval_split, c.test_split = "train", "validation", "test"
     c.local_splits = {}

@@ -116,7 +116,12 @@ def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, rules=LOGICAL_RULES) ->
 
 
 def process_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """This process's contiguous rows of a global batch (rows divisible by process count)."""
+    """This process's contiguous rows of a global batch (rows divisible by process count).
+
+    Which rows of the global array they become depends on where the mesh puts this
+    process's devices (not necessarily rows ``[p*R/P, (p+1)*R/P)``): fine for sums (loss),
+    and :func:`global_rows_with_ids` / :func:`gather_in_row_order` recover the order where it
+    matters."""
     index, count = jax.process_index(), jax.process_count()
     out = {}
     for key, value in batch.items():
@@ -160,3 +165,33 @@ def host_local_to_global(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, 
     return {
         k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()
     }
+
+
+ROW_ID = "row_id"
+
+
+def global_rows_with_ids(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """:func:`host_local_to_global` of this process's rows of ``batch``, plus ``row_id``
+    int32 [rows]: the index of each row in ``batch``, carried along whichever global rows the
+    mesh's device order assigns to this process."""
+    rows = len(next(iter(batch.values())))
+    ids = np.arange(rows, dtype=np.int32)
+    return host_local_to_global(process_rows({**batch, ROW_ID: ids}), mesh)
+
+
+def gather_in_row_order(values: jax.Array, row_ids: jax.Array) -> np.ndarray:
+    """``values`` [rows, ...] gathered to every process, row ``i`` the one whose ``row_ids``
+    is ``i``: the order of the original batch for any device-to-process layout.
+
+    ``values`` must have been computed row by row from a batch of
+    :func:`global_rows_with_ids` (row ``j`` of ``values`` belongs to ``row_ids[j]``).
+    """
+    from jax.experimental import multihost_utils
+
+    values, row_ids = multihost_utils.process_allgather((values, row_ids), tiled=True)
+    values, row_ids = np.asarray(values), np.asarray(row_ids)
+    if sorted(row_ids.tolist()) != list(range(len(row_ids))):
+        raise ValueError(f"row_ids are not a permutation of 0..{len(row_ids) - 1}")
+    out = np.empty_like(values)
+    out[row_ids] = values
+    return out

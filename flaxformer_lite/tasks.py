@@ -148,6 +148,20 @@ def _translation(config: Any, workdir: str, process_index: int, process_count: i
     )
 
 
+def _vocabulary(path: str, texts_fn: Any, config: Any) -> Tokenizer:
+    """The SentencePiece model at ``path``: trained by process 0 if missing, then loaded by
+    the others (no two hosts write the same file)."""
+
+    def get(writer: bool) -> Tokenizer:
+        if not writer:
+            return Tokenizer.load(path)
+        return load_or_train(
+            path, texts_fn, config.vocab_size, model_type=config.spm_model_type, seed=config.seed
+        )
+
+    return data_lib.main_process_first(get, "vocabulary")
+
+
 def _lm(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
     stats = data_lib.DataStats()
     if config.get("data_file"):
@@ -162,12 +176,10 @@ def _lm(config: Any, workdir: str, process_index: int, process_count: int) -> Ta
         stats.num_empty_dropped = stats.num_read - len(lines)
     split = int(len(lines) * (1 - config.eval_fraction))
     train_lines, eval_lines = lines[:split], lines[split:]
-    tokenizer = load_or_train(
+    tokenizer = _vocabulary(
         os.path.join(workdir, "spm_lm.model"),
         lambda: iter(train_lines),
-        config.vocab_size,
-        model_type=config.spm_model_type,
-        seed=config.seed,
+        config,
     )
     train_tokens = data_lib.lm_token_stream(train_lines, tokenizer)
     eval_tokens = data_lib.lm_token_stream(eval_lines, tokenizer)
@@ -220,12 +232,10 @@ def _classification(config: Any, workdir: str, process_index: int, process_count
 
     train = load(config.train_split, stats)
     dev = load(config.eval_split, eval_stats)
-    tokenizer = load_or_train(
+    tokenizer = _vocabulary(
         os.path.join(workdir, "spm_cls.model"),
         lambda: (t for t, _ in train),
-        config.vocab_size,
-        model_type=config.spm_model_type,
-        seed=config.seed,
+        config,
     )
     train_ex = data_lib.encode_labeled(train, tokenizer, max_len=config.max_len, stats=stats)
     dev_ex = data_lib.encode_labeled(dev, tokenizer, max_len=config.max_len, stats=eval_stats)

@@ -10,6 +10,7 @@ import json  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
@@ -18,12 +19,14 @@ import pytest  # noqa: E402
 from flaxformer_lite.data import (  # noqa: E402
     BatchStream,
     DataStats,
+    EncodedPairs,
     batch_by_tokens,
     bucket_boundaries,
     build_translation_data,
     classification_batches,
     encode_labeled,
     encode_pairs,
+    first_fit_rows,
     lm_batches,
     load_labeled,
     load_pairs,
@@ -403,6 +406,72 @@ def test_packing_never_splits_examples():
     assert padding_fraction(batches) < 0.2  # packs much tighter than one example per row
 
 
+def old_pack_examples(examples, *, length, rows_per_batch, seed=0, epoch=0, shuffle=True):
+    """The scan-every-open-row packer this project had before (O(examples x rows)): the
+    independent reference for the linear-time one."""
+    n = len(examples)
+    in_len = np.asarray([len(e["inputs"]) for e in examples], dtype=np.int64)
+    tgt_len = np.asarray([len(e["targets"]) for e in examples], dtype=np.int64)
+    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    in_fill = np.zeros(n, dtype=np.int64)
+    tgt_fill = np.zeros(n, dtype=np.int64)
+    row_members = []
+    for i in order:
+        open_rows = len(row_members)
+        fits = (in_fill[:open_rows] + in_len[i] <= length) & (
+            tgt_fill[:open_rows] + tgt_len[i] <= length
+        )
+        row = int(np.argmax(fits)) if fits.any() else open_rows
+        if row == open_rows:
+            row_members.append([])
+        row_members[row].append(int(i))
+        in_fill[row] += in_len[i]
+        tgt_fill[row] += tgt_len[i]
+    batches = []
+    for start in range(0, len(row_members), rows_per_batch):
+        batch = {
+            f"{side}{suffix}": np.zeros((rows_per_batch, length), dtype=np.int32)
+            for side in ("inputs", "targets")
+            for suffix in ("", "_segmentation", "_position")
+        }
+        for r, members in enumerate(row_members[start : start + rows_per_batch]):
+            for side in ("inputs", "targets"):
+                offset = 0
+                for segment, i in enumerate(members, start=1):
+                    seq = examples[i][side]
+                    end = offset + len(seq)
+                    batch[side][r, offset:end] = seq
+                    batch[f"{side}_segmentation"][r, offset:end] = segment
+                    batch[f"{side}_position"][r, offset:end] = np.arange(len(seq))
+                    offset = end
+        batches.append(batch)
+    return batches
+
+
+@pytest.mark.parametrize(
+    "n, max_len, length, shuffle",
+    [(1, 4, 4, True), (40, 8, 8, False), (700, 12, 16, True), (1200, 24, 32, True)],
+)
+def test_packing_equals_the_old_first_fit_on_random_input(n, max_len, length, shuffle):
+    # Uncorrelated source and target lengths: the case where first fit on two sides is hardest.
+    examples = random_examples(n, seed=n, max_len=max_len)
+    kw = {"length": length, "rows_per_batch": 8, "seed": 3, "epoch": 1, "shuffle": shuffle}
+    assert_same_batches(pack_examples(examples, **kw), old_pack_examples(examples, **kw))
+    # The same plan from the flat cache layout (what training reads).
+    assert_same_batches(
+        pack_examples(EncodedPairs.from_examples(examples), **kw), old_pack_examples(examples, **kw)
+    )
+
+
+def test_first_fit_rows_matches_a_scan_with_one_long_pointer_jump():
+    # Many rows that fit small inputs but not the long target: the pointer of the last size
+    # has to cross thousands of rows (the vectorized branch).
+    in_len = np.asarray([1] * 3000 + [1], dtype=np.int64)
+    tgt_len = np.asarray([7] * 3000 + [8], dtype=np.int64)
+    rows = first_fit_rows(in_len, tgt_len, 8)
+    assert rows[:3000].tolist() == list(range(3000)) and rows[-1] == 3000
+
+
 def test_packing_rejects_example_longer_than_row():
     with pytest.raises(ValueError, match="longer than the packing length 4"):
         pack_examples([ex([5, 1], [6, 6, 6, 6, 1])], length=4, rows_per_batch=2)
@@ -617,12 +686,37 @@ def test_build_translation_data_end_to_end(tmp_path):
                 assert td.src_tokenizer.decode(b["inputs"][row]) == src
     assert sorted(seen) == list(range(30))
 
-    # A second build (resumed run) reuses the vocabulary file untouched.
-    mtime = os.stat(workdir / "spm_shared.model").st_mtime_ns
+    # The training split was tokenized once into the cache, which holds exactly its examples.
+    cache = Path(td.cache_dir)
+    assert cache.parent == workdir / "data_cache"
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        ["meta.json", *(f"{name}.npy" for name in EncodedPairs.ARRAYS)]
+    )
+    meta = json.loads((cache / "meta.json").read_text())
+    assert meta["stats"] == {
+        "num_read": 200, "num_empty_dropped": 1, "num_truncated": 0, "num_too_long_dropped": 0
+    }  # fmt: skip
+    pairs = load_pairs(data_dir=str(tmp_path / "data"), split="train", source_lang="en",
+                       target_lang="de")  # fmt: skip
+    expected = encode_pairs(pairs, td.src_tokenizer, td.tgt_tokenizer, max_len=24)
+    cached = EncodedPairs(*(np.load(cache / f"{name}.npy") for name in EncodedPairs.ARRAYS))
+    assert len(cached) == len(expected) == 199
+    for i in (0, 57, 198):
+        for side in ("inputs", "targets"):
+            np.testing.assert_array_equal(cached[i][side], expected[i][side])
+
+    # A second build (resumed run) reuses the vocabulary and the cache untouched, and does
+    # not read the training files (removed here).
+    mtimes = {p: os.stat(p).st_mtime_ns for p in [workdir / "spm_shared.model", *cache.iterdir()]}
+    for name in ("train.en", "train.de"):
+        (tmp_path / "data" / name).unlink()
     again = build_translation_data(config, str(workdir))
-    assert os.stat(workdir / "spm_shared.model").st_mtime_ns == mtime
+    assert {p: os.stat(p).st_mtime_ns for p in mtimes} == mtimes
     assert again.src_tokenizer.vocab_size == td.src_tokenizer.vocab_size
     assert_same_batches(again.train.epoch_batches(), epoch0)
+    # A setting the tokens depend on names another cache (and needs the corpus again).
+    with pytest.raises(FileNotFoundError, match="train.en"):
+        build_translation_data(translation_config(tmp_path / "data", max_len=16), str(workdir))
 
 
 def test_build_translation_data_separate_vocab_packing_sharded(tmp_path):
@@ -631,7 +725,7 @@ def test_build_translation_data_separate_vocab_packing_sharded(tmp_path):
         tmp_path / "data", shared_vocab=False, packing=True, spm_model_type="char"
     )
     td = build_translation_data(config, str(tmp_path / "w"), process_index=1, process_count=2)
-    assert sorted(os.listdir(tmp_path / "w")) == ["spm_src.model", "spm_tgt.model"]
+    assert sorted(os.listdir(tmp_path / "w")) == ["data_cache", "spm_src.model", "spm_tgt.model"]
     assert "ä" in td.tgt_tokenizer.id_to_piece(range(td.tgt_tokenizer.vocab_size))
     assert "ä" not in td.src_tokenizer.id_to_piece(range(td.src_tokenizer.vocab_size))
     rows = rows_for_length(24, 256, 2)
@@ -660,3 +754,24 @@ def test_importing_data_module_does_not_import_datasets():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_streaming_jsonl_gives_the_same_data_as_the_text_files(tmp_path):
+    # The `datasets` streaming path (what `streaming=True` does for a hub corpus), on local
+    # jsonl files holding the same pairs as parallel text files: same cache contents, same
+    # batches, same eval set.
+    write_corpus(tmp_path / "text")
+    data = tmp_path / "jsonl"
+    data.mkdir()
+    for split in ("train", "val"):
+        en = (tmp_path / "text" / f"{split}.en").read_text(encoding="utf-8").splitlines()
+        de = (tmp_path / "text" / f"{split}.de").read_text(encoding="utf-8").splitlines()
+        rows = "".join(json.dumps({"en": e, "de": d}) + "\n" for e, d in zip(en, de, strict=True))
+        write(data / f"{split}.jsonl", rows)
+    text = build_translation_data(translation_config(tmp_path / "text", packing=True),
+                                  str(tmp_path / "w_text"))  # fmt: skip
+    config = translation_config(data, data_format="jsonl", streaming=True, packing=True)
+    streamed = build_translation_data(config, str(tmp_path / "w_streamed"))
+    assert streamed.stats == text.stats and streamed.stats.num_kept == 199
+    assert streamed.eval_pairs == text.eval_pairs
+    assert_same_batches(streamed.train.epoch_batches(), text.train.epoch_batches())
