@@ -8,10 +8,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -136,32 +134,11 @@ print("ok")
 """
 
 
-def test_token_cache_round_trip_through_a_local_gcs_server(tmp_path):
-    port = free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "gcp-storage-emulator"), "start", "--host",
-         "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", "bucket"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+def test_token_cache_round_trip_through_a_local_gcs_server(tmp_path, gcs):
+    env = {**os.environ, **gcs, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", GCS_ROUND_TRIP], env=env, capture_output=True, text=True,
+        timeout=120, cwd=tmp_path,
     )  # fmt: skip
-    try:
-        env = {
-            **os.environ,
-            "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
-            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-            "PYTHONPATH": str(ROOT),
-        }
-        for _ in range(100):  # wait for the server
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        done = subprocess.run(
-            [sys.executable, "-c", GCS_ROUND_TRIP], env=env, capture_output=True, text=True,
-            timeout=120, cwd=tmp_path,
-        )  # fmt: skip
-        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
-        assert list(tmp_path.iterdir()) == []  # nothing written under the current directory
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []  # nothing written under the current directory
