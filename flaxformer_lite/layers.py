@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flaxformer_lite import positions as pos_lib
 from flaxformer_lite.attention import dot_product_attention
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.masks import combine_masks
+from flaxformer_lite.masks import AttentionMask, combine_masks
 
 Array = jax.Array
 Dtype = Any
@@ -222,7 +222,9 @@ class MultiHeadAttention(nn.Module):
     ) -> Array | tuple[Array, Array]:
         """Returns `[batch, q_len, features]` (and weights `[batch, heads, q_len, kv_len]`).
 
-        mask: bool broadcastable to `[batch, heads, q_len, kv_len]`. positions_q/positions_kv:
+        mask: bool broadcastable to `[batch, heads, q_len, kv_len]`, or a ``masks.AttentionMask``
+        (what the models pass: blockwise and cuDNN attention then never build the `[q_len,
+        kv_len]` matrix; decoding self-attention takes arrays only). positions_q/positions_kv:
         int `[batch, len]`, used by rotary embeddings (default: 0..len-1).
         """
         features = inputs_q.shape[-1]
@@ -242,6 +244,11 @@ class MultiHeadAttention(nn.Module):
                 value = self._project(kv_source, kv_heads, "value")
 
         if decode and self_attention:
+            if isinstance(mask, AttentionMask):
+                raise ValueError(
+                    "decode=True self-attention builds its causal mask over the cache; pass an "
+                    "array mask `[batch, heads, q_len, max_len]` (or None), not an AttentionMask"
+                )
             key, value, mask, positions_q = self._update_cache(key, value, mask)
             positions_kv = jnp.arange(key.shape[1])[None]
         if self.use_rotary:
