@@ -311,6 +311,7 @@ def train_and_evaluate(
         grad_clip_norm=config.grad_clip_norm,
     )
     mesh = sharding.make_mesh(config.mesh_shape)
+    sharding.check_attention_fits_mesh(cfg, mesh)  # before anything is initialised
     example = jax.tree_util.tree_map(lambda x: jnp.asarray(x[:1]), task.eval_batches[0])
 
     def init_state():
