@@ -133,24 +133,17 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules=LOGICAL_RULES) -> An
 
 
 def check_attention_fits_mesh(config: Any, mesh: Mesh | dict[str, int]) -> None:
-    """Fails, naming the fields, when tensor parallelism cannot split every attention kernel
-    of ``config`` (a TransformerConfig) over ``mesh``'s "tensor" axis: query heads split over
-    it, and key/value heads or else d_model (multi-query, few kv heads). Call it where the
-    mesh meets the config (train.py does, before initialising)."""
+    """Fails, naming the field, when tensor parallelism cannot split every attention kernel of
+    ``config`` (a TransformerConfig) over ``mesh``'s "tensor" axis. Query heads (and the output
+    projection) split over it; key/value kernels split their kv heads, or else d_model, which
+    then always divides (d_model = num_heads * head_dim). Call it where the mesh meets the
+    config (train.py does, before initialising)."""
     tensor = int(dict(mesh.shape if isinstance(mesh, Mesh) else mesh).get("tensor", 1))
-    if tensor == 1:
-        return
-    if config.num_heads % tensor:
+    if tensor > 1 and config.num_heads % tensor:
         raise ValueError(
             f"TransformerConfig.num_heads ({config.num_heads}) must be divisible by the tensor-"
             f"parallel degree {tensor} (mesh_shape's third entry) to split attention heads; "
             "change num_heads or mesh_shape"
-        )
-    if config.kv_heads % tensor and config.d_model % tensor:
-        raise ValueError(
-            f"key/value projections cannot be split over a tensor-parallel degree of {tensor}: "
-            f"neither TransformerConfig.num_kv_heads ({config.kv_heads}) nor d_model "
-            f"({config.d_model}) is divisible by it; change them or mesh_shape"
         )
 
 

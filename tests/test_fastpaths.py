@@ -11,7 +11,12 @@ of EncoderDecoder and DecoderOnly grows linearly in length (compiled memory anal
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -27,6 +32,8 @@ from flaxformer_lite.attention import (
 )
 from flaxformer_lite.blockwise import blockwise_attention
 from flaxformer_lite.masks import AttentionMask
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- cuDNN dispatch
 
@@ -237,3 +244,75 @@ def test_blockwise_model_forward_backward_memory_grows_linearly(model_of):
     4k to 16k tokens; with dense `[batch, 1, n, n]` masks it was 7.8x (quadratic)."""
     short, long = train_memory_mib(model_of, 4096), train_memory_mib(model_of, 16384)
     assert long / short <= 5.0, (short, long)
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+TENSOR_PARALLEL = """
+import json
+import flax.linen as nn
+import jax, jax.numpy as jnp, numpy as np
+from flaxformer_lite import EncoderDecoder, TransformerConfig, sharding
+base = TransformerConfig(vocab_size=64, d_model=64, num_heads=8, d_ff=64, num_encoder_layers=1,
+                         num_decoder_layers=1, max_len=16, dropout_rate=0.0)
+x = jnp.ones((2, 6), jnp.int32)
+unsplit = []
+for shape in [(1, 1, 8), (2, 1, 4)]:
+    mesh = sharding.make_mesh(shape)
+    for kv in (None, 2, 1):  # multi-head, grouped-query, multi-query
+        for fused in (True, False):
+            cfg = base.replace(num_kv_heads=kv, fused_qkv=fused)
+            sharding.check_attention_fits_mesh(cfg, mesh)
+            model = EncoderDecoder(cfg)
+            boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), x, x)["params"])
+            shardings = sharding.logical_shardings(boxed, mesh)
+            flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+            named = [(jax.tree_util.keystr(p), sh.spec) for p, sh in flat]
+            kernels = [(p, spec) for p, spec in named if "attention" in p and "kernel" in p]
+            assert len(kernels) >= 5, kernels
+            unsplit += [f"{shape} kv={kv} fused={fused} {p} {spec}" for p, spec in kernels
+                        if "tensor" not in jax.tree_util.tree_leaves(tuple(spec))]
+errors = {}
+for heads, shape in [(4, (1, 1, 8)), (6, (2, 1, 4))]:
+    try:
+        bad = base.replace(num_heads=heads, d_model=8 * heads)
+        sharding.check_attention_fits_mesh(bad, sharding.make_mesh(shape))
+    except ValueError as err:
+        errors[heads] = str(err)
+# Multi-query, fused, on a (2, 1, 4) mesh: sharded logits equal the single-device ones.
+cfg = base.replace(num_kv_heads=1, fused_qkv=True)
+model = EncoderDecoder(cfg)
+y = jnp.asarray(np.random.default_rng(0).integers(3, 64, size=(2, 6)), jnp.int32)
+params, _ = sharding.sharded_init(lambda: model.init(jax.random.key(0), y, y)["params"],
+                                  sharding.make_mesh((2, 1, 4)))
+kv_spec = params["decoder"]["layers_0"]["self_attention"]["qkv"]["kv_kernel"].sharding.spec
+local = jax.tree.map(lambda a: jax.device_put(a, jax.devices()[0]), params)
+apply = jax.jit(lambda p: model.apply({"params": p}, y, y))
+diff = float(np.abs(np.asarray(apply(params)) - np.asarray(apply(local))).max())
+print(json.dumps({"unsplit": unsplit, "errors": errors, "diff": diff, "kv_spec": str(kv_spec)}))
+"""
+
+
+def test_every_attention_kernel_splits_over_tensor_for_mha_gqa_mqa_fused_or_not():
+    """8 simulated devices, meshes (1, 1, 8) and (2, 1, 4), EncoderDecoder with 8 heads over 8,
+    2 and 1 kv heads, fused and unfused: every attention kernel's spec names "tensor"; heads the
+    tensor degree does not divide are rejected naming num_heads; a sharded multi-query fused
+    model (kv kernel split over d_model) computes the single-device logits."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    done = subprocess.run(
+        [sys.executable, "-c", TENSOR_PARALLEL],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["unsplit"] == []
+    assert set(out["errors"]) == {"4", "6"}
+    for message in out["errors"].values():
+        assert "num_heads" in message and "tensor" in message
+    assert "tensor" in out["kv_spec"]
+    assert out["diff"] < 1e-5
