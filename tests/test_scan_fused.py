@@ -222,7 +222,9 @@ def scanned_lm():
 
 def test_scanned_decoder_only_equals_unrolled(scanned_lm):
     cfg, params = scanned_lm
-    assert params["decoder"]["layers"]["self_attention"]["qkv"]["kernel"].shape == (2, 32, 2, 4, 8)
+    qkv = params["decoder"]["layers"]["self_attention"]["qkv"]
+    assert qkv["query_kernel"].shape == (2, 32, 4, 8)  # [layers, embed, heads, head_dim]
+    assert qkv["kv_kernel"].shape == (2, 32, 2, 2, 8)  # [layers, embed, k|v, kv_heads, head_dim]
     logits, grads, weights = lm_outputs(cfg, params, Y)
     flat_params, flat_cfg = unrolled(params, cfg)
     ref_logits, ref_grads, ref_weights = lm_outputs(flat_cfg, flat_params, Y)
