@@ -189,19 +189,13 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
 
 
 def batch_train_flops(kind: str, cfg: TransformerConfig, batch) -> float:
-    """Analytic forward + backward matmul FLOPs of one global batch (see flops.py)."""
+    """Analytic forward + backward matmul FLOPs of one global batch (see flops.py): gated
+    feed-forwards, grouped-query key/value heads and head_dim come from ``cfg``."""
     src = batch["inputs"].shape[1] if kind != "lm" else 0
     tgt = batch["targets"].shape[1] if kind != "classification" else 0
-    return flops.train_flops(
-        batch=batch["inputs" if kind != "lm" else "targets"].shape[0],
-        src_len=src,
-        tgt_len=tgt,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        encoder_layers=cfg.num_encoder_layers if kind != "lm" else 0,
-        decoder_layers=cfg.num_decoder_layers if kind != "classification" else 0,
-        vocab=cfg.output_vocab_size,
-    )
+    rows = batch["inputs" if kind != "lm" else "targets"].shape[0]
+    classes = cfg.num_classes if kind == "classification" else 0
+    return flops.train_flops(cfg, rows, src, tgt, num_classes=classes)
 
 
 # ----------------------------------------------------------------------------- decoding eval
@@ -383,6 +377,7 @@ def train_and_evaluate(
         grad_clip_norm=config.grad_clip_norm,
     )
     mesh = sharding.make_mesh(config.mesh_shape)
+    sharding.check_attention_fits_mesh(cfg, mesh)  # before anything is initialised
     example = jax.tree_util.tree_map(lambda x: jnp.asarray(x[:1]), task.eval_batches[0])
 
     def init_state():

@@ -221,11 +221,7 @@ def main():
             t_ours.append(timed(ours, steps) / steps)
             t_torch.append(timed(theirs, steps) / steps)
         tokens = spec["batch"] * spec["length"]
-        flops = train_flops(
-            batch=spec["batch"], src_len=spec["length"], tgt_len=spec["length"],
-            d_model=spec["d_model"], d_ff=spec["d_ff"], encoder_layers=spec["layers"],
-            decoder_layers=spec["layers"], vocab=spec["vocab"],
-        )  # fmt: skip
+        flops = train_flops(ours_config(spec), spec["batch"], spec["length"], spec["length"])
         o, t = float(np.median(t_ours)), float(np.median(t_torch))
         row = {
             "ours_tokens_per_s": tokens / o, "torch_tokens_per_s": tokens / t,

@@ -19,7 +19,10 @@ the only quadratic arrays are those the caller passes in (a full `[b, h, n, n]` 
 
 Long-sequence users need no quadratic array at all: ``causal=True`` builds the causal pattern per
 block from indices (and skips the key blocks that lie entirely in the future, halving the work),
-and ``key_padding`` `[batch, kv_len]` masks padded keys.
+and ``key_padding`` `[batch, kv_len]` masks padded keys; packed rows pass ``query_segment_ids`` /
+``key_segment_ids`` (a query sees only keys of its own segment, segment 0 sees nothing), also
+compared block by block. The models hand their masks over in this form
+(``masks.AttentionMask``), never as `[batch, 1, n, n]` matrices.
 
 Shapes:
   query  `[batch, q_len, heads, head_dim]`
@@ -28,6 +31,7 @@ Shapes:
   mask   bool, broadcastable to `[batch, heads, q_len, kv_len]`, True where attention is allowed
   bias   float, broadcastable to `[batch, heads, q_len, kv_len]`, added to the logits
   key_padding  bool `[batch, kv_len]` (or `[1, kv_len]`), True for a real key
+  query_segment_ids / key_segment_ids  int `[batch, q_len]` / `[batch, kv_len]`
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ def _block_logits(
     mask: Array | None,
     bias: Array | None,
     key_padding: Array | None,
+    segments: tuple[Array, Array] | None,
     i: Array,
     j: Array,
 ) -> Array:
@@ -150,6 +155,11 @@ def _block_logits(
     if key_padding is not None:
         kp = lax.dynamic_slice_in_dim(key_padding, j * cfg.k_block, cfg.k_block, axis=1)
         allowed = allowed & kp[:, None, None, None, :]
+    if segments is not None:
+        q_seg = lax.dynamic_slice_in_dim(segments[0], i * cfg.q_block, cfg.q_block, axis=1)
+        k_seg = lax.dynamic_slice_in_dim(segments[1], j * cfg.k_block, cfg.k_block, axis=1)
+        same = (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] != 0)
+        allowed = allowed & same[:, None, None]  # [b, 1, 1, q_block, k_block]
     if mask is not None:
         allowed = allowed & _cut(mask, i, j, cfg)
     # -inf (not the most negative finite float): exp(-inf - m) is exactly 0 for any finite m, so
@@ -181,6 +191,7 @@ def _forward(
     mask: Array | None,
     bias: Array | None,
     key_padding: Array | None,
+    segments: tuple[Array, Array] | None,
 ) -> tuple[Array, Array]:
     """Online-softmax forward.
 
@@ -197,7 +208,7 @@ def _forward(
             m, denom, acc = carry
             k_blk = lax.dynamic_slice_in_dim(k, j * cfg.k_block, cfg.k_block, axis=1)
             v_blk = lax.dynamic_slice_in_dim(v, j * cfg.k_block, cfg.k_block, axis=1)
-            s = _block_logits(cfg, q_blk, k_blk, mask, bias, key_padding, i, j)
+            s = _block_logits(cfg, q_blk, k_blk, mask, bias, key_padding, segments, i, j)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             # A row that has seen no allowed key yet has m_new = -inf; subtracting 0 instead keeps
             # exp(-inf - 0) = 0 rather than exp(-inf + inf) = nan.
@@ -240,18 +251,19 @@ def _flash(
     mask: Array | None,
     bias: Array | None,
     key_padding: Array | None,
+    segments: tuple[Array, Array] | None,
 ) -> Array:
-    return _forward(cfg, q, k, v, mask, bias, key_padding)[0]
+    return _forward(cfg, q, k, v, mask, bias, key_padding, segments)[0]
 
 
-def _flash_fwd(cfg, q, k, v, mask, bias, key_padding):
-    out, lse = _forward(cfg, q, k, v, mask, bias, key_padding)
+def _flash_fwd(cfg, q, k, v, mask, bias, key_padding, segments):
+    out, lse = _forward(cfg, q, k, v, mask, bias, key_padding, segments)
     # O(n) residuals only: inputs, output, and one float32 statistic per query row.
-    return out, (q, k, v, mask, bias, key_padding, out, lse)
+    return out, (q, k, v, mask, bias, key_padding, segments, out, lse)
 
 
 def _flash_bwd(cfg, residuals, d_out):
-    q, k, v, mask, bias, key_padding, out, lse = residuals
+    q, k, v, mask, bias, key_padding, segments, out, lse = residuals
     b, qp, kvh, g, d = q.shape
     # delta_i = sum_j p_ij dP_ij = dO_i . O_i: the softmax Jacobian's row term, O(n) to compute.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
@@ -265,7 +277,7 @@ def _flash_bwd(cfg, residuals, d_out):
             dk, dv, dq_acc, dbias_acc = inner
             q_blk = lax.dynamic_slice_in_dim(q, i * cfg.q_block, cfg.q_block, axis=1)
             do_blk = lax.dynamic_slice_in_dim(d_out, i * cfg.q_block, cfg.q_block, axis=1)
-            s = _block_logits(cfg, q_blk, k_blk, mask, bias, key_padding, i, j)
+            s = _block_logits(cfg, q_blk, k_blk, mask, bias, key_padding, segments, i, j)
             p = jnp.exp(s - lse[i][..., None])  # recomputed probabilities [b, kvh, g, qb, kb]
             dv = dv + jnp.einsum(
                 "bhgqk,bqhgd->bkhd",
@@ -306,8 +318,8 @@ def _flash_bwd(cfg, residuals, d_out):
     dk = dk.transpose(1, 0, 2, 3, 4).reshape(k.shape).astype(k.dtype)
     dv = dv.transpose(1, 0, 2, 3, 4).reshape(v.shape).astype(v.dtype)
     dbias = None if bias is None else dbias_acc.astype(bias.dtype)
-    # Boolean mask and key_padding get no cotangent (None = zero).
-    return dq, dk, dv, None, dbias, None
+    # Boolean mask, key_padding and segment ids get no cotangent (None = zero).
+    return dq, dk, dv, None, dbias, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -342,6 +354,8 @@ def blockwise_attention(
     causal: bool = False,
     causal_offset: int = 0,
     key_padding: Array | None = None,
+    query_segment_ids: Array | None = None,
+    key_segment_ids: Array | None = None,
     query_block: int = DEFAULT_QUERY_BLOCK,
     key_block: int = DEFAULT_KEY_BLOCK,
     dropout_rate: float = 0.0,
@@ -366,6 +380,10 @@ def blockwise_attention(
         ``kv_len - q_len`` aligns the queries with the last keys (a prompt appended to a cache).
       key_padding: bool `[batch, kv_len]` (or `[1, kv_len]`); True for a real key, False for
         padding. Combined (logical and) with ``mask`` and ``causal``.
+      query_segment_ids, key_segment_ids: int `[batch, q_len]` and `[batch, kv_len]` (or batch
+        1), given together: packed rows, where query i sees key j only if both carry the same
+        segment id and the query's is not 0 (padding), as ``masks.segment_mask``; compared per
+        block, never materialised.
       query_block: queries per block (clipped to ``q_len``); ``q_len`` need not divide by it.
       key_block: keys per block (clipped to ``kv_len``); ``kv_len`` need not divide by it.
       dropout_rate, deterministic: attention dropout is not supported; a ValueError is raised
@@ -432,6 +450,20 @@ def blockwise_attention(
                 f"key_padding must be [{batch} or 1, {kv_len}]; got {key_padding.shape}"
             )
         key_padding = _pad_axis(key_padding, 1, kv_padded)
+    segments = None
+    if (query_segment_ids is None) != (key_segment_ids is None):
+        raise ValueError("query_segment_ids and key_segment_ids must be given together")
+    if query_segment_ids is not None:
+        q_seg, k_seg = jnp.asarray(query_segment_ids), jnp.asarray(key_segment_ids)
+        for name, ids, length in (("query", q_seg, q_len), ("key", k_seg, kv_len)):
+            if ids.ndim != 2 or ids.shape[0] not in (1, batch) or ids.shape[1] != length:
+                raise ValueError(
+                    f"{name}_segment_ids must be [{batch} or 1, {length}]; got {ids.shape}"
+                )
+            if not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise ValueError(f"{name}_segment_ids must be integers; got {ids.dtype}")
+        # Padded query rows get segment 0 (nothing); padded keys are masked by index anyway.
+        segments = (_pad_axis(q_seg, 1, q_padded), _pad_axis(k_seg, 1, kv_padded))
 
     scale = head_dim**-0.5
     # Scale the query in its own dtype before the matmul, exactly as the reference does.
@@ -448,5 +480,5 @@ def blockwise_attention(
         causal=bool(causal),
         causal_offset=int(causal_offset),
     )
-    out = _flash(cfg, q, k, v, mask, bias, key_padding)  # [b, Qp, kvh, g, d]
+    out = _flash(cfg, q, k, v, mask, bias, key_padding, segments)  # [b, Qp, kvh, g, d]
     return out[:, :q_len].reshape(batch, q_len, heads, value.shape[-1])

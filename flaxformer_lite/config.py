@@ -46,8 +46,10 @@ class TransformerConfig:
       use_bias: biases in the attention and feed-forward projections.
       dtype: compute dtype ("float32", "bfloat16", "float16"); softmax and loss stay float32.
       param_dtype: storage dtype of the parameters.
-      attention_implementation: "xla" (reference), "cudnn" (jax.nn.dot_product_attention) or
-        "blockwise" (memory linear in length; no attention dropout).
+      attention_implementation: "xla" (reference), "cudnn" (cuDNN flash attention through
+        jax.nn.dot_product_attention where the GPU, dtype and shapes allow it, else the
+        reference with one warning) or "blockwise" (memory linear in length, future key blocks
+        skipped; no attention dropout).
       remat: recompute each layer's activations in the backward pass (jax.checkpoint) instead
         of storing them: less memory for deeper models or longer sequences, ~1/3 more compute.
       scan_layers: build each layer stack with ``flax.linen.scan`` over one layer: the
@@ -56,11 +58,13 @@ class TransformerConfig:
         and one compiled layer body replaces N (faster compilation of deep models). Composes
         with ``remat``. Cached decoding runs on the unrolled layout: ``generate`` and the
         translator convert with ``models.unstack_layers``, which gives identical outputs.
-      fused_qkv: self-attention projects queries, keys and values with one kernel
-        `[embed, kv_heads, num_heads // kv_heads + 2, head_dim]` (each key/value head next to
-        its group of query heads, so tensor parallelism still splits heads) instead of three;
-        works with any num_kv_heads. Cross-attention keeps separate query and key/value
-        projections (its keys and values come from the encoder output).
+      fused_qkv: self-attention projects queries, keys and values with fused kernels instead
+        of three: one `[embed, 3, num_heads, head_dim]` kernel (multi-head), or a query kernel
+        `[embed, num_heads, head_dim]` and a key/value kernel `[embed, 2, kv_heads, head_dim]`
+        (grouped/multi-query); tensor parallelism splits the query heads and the kv heads (or,
+        when it does not divide them, the key/value kernel's d_model axis). Cross-attention
+        keeps separate query and key/value projections (its keys and values come from the
+        encoder output).
       num_classes: labels of the EncoderClassifier head.
       pooling: how the classifier pools the encoder output ("mean" over real tokens, "first").
       pad_id: the padding token id in every input.

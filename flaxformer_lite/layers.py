@@ -1,6 +1,7 @@
 """Flax linen layers: thin wrappers that hold parameters and call the pure functions.
 
-Every parameter carries logical axis names ("embed", "heads", "kv", "mlp", "vocab") through
+Every parameter carries logical axis names ("embed", "heads", "kv", "mlp", "vocab"; key/value
+projections "kv_embed" and "kv_heads", see ``sharding.LOGICAL_RULES``) through
 ``nn.with_logical_partitioning``, so sharding rules can place it without touching these layers.
 Leaf modules (``MultiHeadAttention``, ``MlpBlock``, ``Embed``) take plain arguments and can be
 lifted into other projects alone; the layer stacks take a ``TransformerConfig``.
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from flaxformer_lite import positions as pos_lib
 from flaxformer_lite.attention import dot_product_attention
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.masks import combine_masks
+from flaxformer_lite.masks import AttentionMask, combine_masks
 
 Array = jax.Array
 Dtype = Any
@@ -31,15 +32,23 @@ def _param_init(init: Callable, names: tuple[str | None, ...]) -> Callable:
     return nn.with_logical_partitioning(init, names)
 
 
+QUERY_AXES = ("embed", "heads", "kv")
+# Key/value projections: their heads split over "tensor" when the tensor degree divides them;
+# else (multi-query, few kv heads) their input axis does (sharding.LOGICAL_RULES).
+KV_AXES = ("kv_embed", "kv_heads", "kv")
+
+
 class HeadProjection(nn.Module):
     """`[batch, len, features]` -> `[batch, len, heads, head_dim]` with kernel `[embed, heads, kv]`.
 
     Written out instead of ``nn.DenseGeneral``, which initialises a flattened kernel and so
-    cannot carry rank-3 logical axis names through sharding constraints.
+    cannot carry rank-3 logical axis names through sharding constraints. ``axis_names``: the
+    kernel's logical names (``QUERY_AXES``, or ``KV_AXES`` for keys and values).
     """
 
     heads: int
     head_dim: int
+    axis_names: tuple[str, str, str] = QUERY_AXES
     use_bias: bool = True
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -49,7 +58,7 @@ class HeadProjection(nn.Module):
         init = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2))
         kernel = self.param(
             "kernel",
-            _param_init(init, ("embed", "heads", "kv")),
+            _param_init(init, self.axis_names),
             (x.shape[-1], self.heads, self.head_dim),
             self.param_dtype,
         )
@@ -57,7 +66,7 @@ class HeadProjection(nn.Module):
         if self.use_bias:
             bias = self.param(
                 "bias",
-                _param_init(_zeros, ("heads", "kv")),
+                _param_init(_zeros, self.axis_names[1:]),
                 (self.heads, self.head_dim),
                 self.param_dtype,
             )
@@ -65,31 +74,44 @@ class HeadProjection(nn.Module):
         return y
 
 
-def _fused_qkv_init(
-    key: Array, shape: tuple[int, int, int, int], dtype: Dtype = jnp.float32
-) -> Array:
-    """A fused `[embed, kv_heads, group + 2, head_dim]` kernel whose query, key and value parts
-    are distributed as three separate ``HeadProjection`` kernels would be (Xavier-uniform over
-    `[embed, heads * head_dim]` for queries, `[embed, kv_heads * head_dim]` for keys/values)."""
-    embed, kv_heads, slots, head_dim = shape
-    group = slots - 2
+def _xavier_heads(key: Array, embed: int, heads: int, head_dim: int, dtype: Dtype) -> Array:
+    """`[embed, heads, head_dim]` as ``HeadProjection`` initialises it."""
     init = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2))
-    rq, rk, rv = jax.random.split(key, 3)
-    query = init(rq, (embed, kv_heads * group, head_dim), dtype)
-    k, v = (init(r, (embed, kv_heads, head_dim), dtype)[:, :, None] for r in (rk, rv))
-    return jnp.concatenate([query.reshape(embed, kv_heads, group, head_dim), k, v], axis=2)
+    return init(key, (embed, heads, head_dim), dtype)
+
+
+def _fused_mha_init(key: Array, shape: tuple[int, ...], dtype: Dtype = jnp.float32) -> Array:
+    """`[embed, 3, heads, head_dim]`: query, key and value kernels each initialised as a separate
+    ``HeadProjection`` would be."""
+    embed, _, heads, head_dim = shape
+    parts = [_xavier_heads(r, embed, heads, head_dim, dtype) for r in jax.random.split(key, 3)]
+    return jnp.stack(parts, axis=1)
+
+
+def _fused_kv_init(key: Array, shape: tuple[int, ...], dtype: Dtype = jnp.float32) -> Array:
+    """`[embed, 2, kv_heads, head_dim]`: key and value kernels as separate projections."""
+    embed, _, kv_heads, head_dim = shape
+    parts = [_xavier_heads(r, embed, kv_heads, head_dim, dtype) for r in jax.random.split(key, 2)]
+    return jnp.stack(parts, axis=1)
 
 
 class FusedQKVProjection(nn.Module):
-    """Self-attention's queries, keys and values from one matmul.
+    """Self-attention's queries, keys and values with fused kernels.
 
     `[batch, len, features]` -> query `[batch, len, heads, head_dim]`, key and value
-    `[batch, len, kv_heads, head_dim]`. The kernel is `[embed, kv_heads, group + 2, head_dim]`
-    (``group = heads // kv_heads``): slot ``j < group`` of kv head ``g`` is query head
-    ``g * group + j`` (the grouping ``attention`` uses), slot ``group`` the key and slot
-    ``group + 1`` the value of kv head ``g``. Logical axes ("embed", "heads", None, "kv"):
-    tensor parallelism splits the kv heads, each device keeping whole query groups with their
-    keys and values. Multi-head attention is ``group = 1``: kernel `[embed, heads, 3, head_dim]`.
+    `[batch, len, kv_heads, head_dim]`. Two layouts, each splitting heads under tensor
+    parallelism for any ``num_kv_heads``:
+
+    * multi-head (``kv_heads == heads``): one kernel `[embed, 3, heads, head_dim]` (query, key,
+      value stacked on axis 1; logical axes ("embed", None, "heads", "kv")), one matmul: each
+      tensor-parallel device holds the query, key and value of its own heads.
+    * grouped- and multi-query: ``query_kernel`` `[embed, heads, head_dim]` ("embed", "heads",
+      "kv") and ``kv_kernel`` `[embed, 2, kv_heads, head_dim]` ("kv_embed", None, "kv_heads",
+      "kv"), two matmuls. Query heads split over "tensor"; the key/value kernel splits its kv
+      heads when the tensor degree divides them, else its input axis (each device projects its
+      slice of d_model, one all-reduce of the small keys/values): never replicated whole.
+
+    Query head ``h`` uses kv head ``h // (heads // kv_heads)``, the grouping of ``attention``.
     """
 
     heads: int
@@ -99,27 +121,34 @@ class FusedQKVProjection(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
+    def _project(self, x: Array, name: str, init, names: tuple, shape: tuple) -> Array:
+        """x `[b, l, embed]` times kernel `[embed, *shape]` (+ bias `[*shape]`)."""
+        kernel = self.param(
+            f"{name}kernel", _param_init(init, names), (x.shape[-1], *shape), self.param_dtype
+        )
+        y = jnp.einsum("bld,d...->bl...", x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_bias:
+            bias_init = _param_init(_zeros, names[1:])
+            bias = self.param(f"{name}bias", bias_init, shape, self.param_dtype)
+            y = y + bias.astype(self.dtype)
+        return y
+
     @nn.compact
     def __call__(self, x: Array) -> tuple[Array, Array, Array]:
-        group = self.heads // self.kv_heads
-        kernel = self.param(
-            "kernel",
-            _param_init(_fused_qkv_init, ("embed", "heads", None, "kv")),
-            (x.shape[-1], self.kv_heads, group + 2, self.head_dim),
-            self.param_dtype,
-        )
-        y = jnp.einsum("bld,dhsk->blhsk", x.astype(self.dtype), kernel.astype(self.dtype))
-        if self.use_bias:
-            bias = self.param(
-                "bias",
-                _param_init(_zeros, ("heads", None, "kv")),
-                (self.kv_heads, group + 2, self.head_dim),
-                self.param_dtype,
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
             )
-            y = y + bias.astype(self.dtype)
-        b, length = y.shape[:2]
-        query = y[:, :, :, :group].reshape(b, length, self.heads, self.head_dim)
-        return query, y[:, :, :, group], y[:, :, :, group + 1]
+        d = self.head_dim
+        if self.kv_heads == self.heads:
+            names = ("embed", None, "heads", "kv")
+            y = self._project(x, "", _fused_mha_init, names, (3, self.heads, d))
+            return y[:, :, 0], y[:, :, 1], y[:, :, 2]
+        init = lambda key, shape, dtype=jnp.float32: _xavier_heads(key, *shape, dtype)  # noqa: E731
+        query = self._project(x, "query_", init, QUERY_AXES, (self.heads, d))
+        names = ("kv_embed", None, "kv_heads", "kv")
+        kv = self._project(x, "kv_", _fused_kv_init, names, (2, self.kv_heads, d))
+        return query, kv[:, :, 0], kv[:, :, 1]
 
 
 class OutputProjection(nn.Module):
@@ -165,7 +194,7 @@ class MultiHeadAttention(nn.Module):
     a step projects only its new positions and reads the fixed-size cache under a mask (fixed
     shapes keep one compiled step), instead of re-running the whole prefix.
 
-    ``fused_qkv=True`` projects self-attention queries, keys and values with one
+    ``fused_qkv=True`` projects self-attention queries, keys and values with a
     ``FusedQKVProjection`` (parameters under "qkv" instead of "query"/"key"/"value");
     cross-attention always keeps its separate projections.
     """
@@ -187,6 +216,7 @@ class MultiHeadAttention(nn.Module):
         return HeadProjection(
             heads,
             self.head_dim,
+            axis_names=QUERY_AXES if name == "query" else KV_AXES,
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
@@ -222,7 +252,9 @@ class MultiHeadAttention(nn.Module):
     ) -> Array | tuple[Array, Array]:
         """Returns `[batch, q_len, features]` (and weights `[batch, heads, q_len, kv_len]`).
 
-        mask: bool broadcastable to `[batch, heads, q_len, kv_len]`. positions_q/positions_kv:
+        mask: bool broadcastable to `[batch, heads, q_len, kv_len]`, or a ``masks.AttentionMask``
+        (what the models pass: blockwise and cuDNN attention then never build the `[q_len,
+        kv_len]` matrix; decoding self-attention takes arrays only). positions_q/positions_kv:
         int `[batch, len]`, used by rotary embeddings (default: 0..len-1).
         """
         features = inputs_q.shape[-1]
@@ -242,6 +274,11 @@ class MultiHeadAttention(nn.Module):
                 value = self._project(kv_source, kv_heads, "value")
 
         if decode and self_attention:
+            if isinstance(mask, AttentionMask):
+                raise ValueError(
+                    "decode=True self-attention builds its causal mask over the cache; pass an "
+                    "array mask `[batch, heads, q_len, max_len]` (or None), not an AttentionMask"
+                )
             key, value, mask, positions_q = self._update_cache(key, value, mask)
             positions_kv = jnp.arange(key.shape[1])[None]
         if self.use_rotary:

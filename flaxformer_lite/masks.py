@@ -15,9 +15,17 @@ A packed decoder example: two sequences packed in one row,
     3    0 0 0 1 0 0
     4    0 0 0 1 1 0
     5    0 0 0 0 0 0      <- padding attends to nothing (its output is zero)
+
+The models do not build these `[batch, 1, n, n]` matrices themselves: they describe the mask as an
+``AttentionMask`` (causal flag, query/key validity, segment ids: all O(length)), and each attention
+implementation takes what it can use -- the reference path materialises ``AttentionMask.dense``,
+blockwise attention builds each block's mask from indices and skips future key blocks, cuDNN gets
+``is_causal`` and sequence lengths.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -91,3 +99,64 @@ def combine_masks(*masks: Array | None) -> Array | None:
     for m in present[1:]:
         out = jnp.logical_and(out, m)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """A mask as structure instead of a `[batch, heads, q_len, kv_len]` matrix.
+
+    Query i may attend to key j iff every present part allows it:
+      causal             j <= i (static; the diagonal of ``causal_mask``)
+      query_valid        bool `[batch, q_len]`: False rows attend to nothing (output zero)
+      key_valid          bool `[batch, kv_len]`: False keys are never attended to
+      query_segment_ids  int `[batch, q_len]` and key_segment_ids int `[batch, kv_len]`
+                         (given together): same segment, and the query's segment is not 0
+
+    ``dense(q_len, kv_len)`` gives exactly what ``combine_masks`` of ``padding_mask``,
+    ``causal_mask`` and ``segment_mask`` would. A pytree (``causal`` is static metadata), so it
+    passes through ``jit``, ``nn.scan`` and ``nn.remat`` like an array.
+    """
+
+    query_valid: Array | None = None
+    key_valid: Array | None = None
+    query_segment_ids: Array | None = None
+    key_segment_ids: Array | None = None
+    causal: bool = False
+
+    def check(self) -> None:
+        """Fails on parts that cannot describe a mask (called by the attention functions, not
+        at construction: pytree transformations rebuild the object with placeholder leaves)."""
+        if (self.query_segment_ids is None) != (self.key_segment_ids is None):
+            raise ValueError(
+                "AttentionMask needs both query_segment_ids and key_segment_ids, or neither"
+            )
+        for name in ("query_valid", "key_valid", "query_segment_ids", "key_segment_ids"):
+            value = getattr(self, name)
+            if value is not None and jnp.ndim(value) != 2:
+                raise ValueError(
+                    f"AttentionMask.{name} must be [batch, length]; got shape {jnp.shape(value)}"
+                )
+        for name in ("query_valid", "key_valid"):
+            value = getattr(self, name)
+            if value is not None and jnp.asarray(value).dtype != jnp.bool_:
+                raise ValueError(f"AttentionMask.{name} must be boolean; got {value.dtype}")
+
+    def dense(self, q_len: int, kv_len: int) -> Array | None:
+        """bool, broadcastable to `[batch, 1, q_len, kv_len]`; None when nothing is masked."""
+        parts = []
+        if self.causal:
+            parts.append((jnp.arange(q_len)[:, None] >= jnp.arange(kv_len)[None, :])[None, None])
+        if self.query_valid is not None:
+            parts.append(jnp.asarray(self.query_valid)[:, None, :, None])
+        if self.key_valid is not None:
+            parts.append(jnp.asarray(self.key_valid)[:, None, None, :])
+        if self.query_segment_ids is not None:
+            parts.append(segment_mask(self.query_segment_ids, self.key_segment_ids))
+        return combine_masks(*parts)
+
+
+jax.tree_util.register_dataclass(
+    AttentionMask,
+    data_fields=["query_valid", "key_valid", "query_segment_ids", "key_segment_ids"],
+    meta_fields=["causal"],
+)

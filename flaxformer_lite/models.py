@@ -12,6 +12,11 @@ are already shifted; decoding loops use those.
 Packed rows (several examples in one row) pass ``*_segmentation`` (1..n per example, 0 on padding)
 and ``*_positions`` (restarting at 0 in each example).
 
+Masks go to the attention layers as ``masks.AttentionMask`` structure (causal flag, padding as
+`[batch, length]` validity, segment ids), never as `[batch, 1, n, n]` matrices: the reference
+attention builds the matrix itself, blockwise attention applies it block by block (memory linear
+in length, future key blocks skipped), cuDNN gets ``is_causal`` and sequence lengths.
+
 With ``config.scan_layers`` each layer stack is one ``nn.scan`` over a layer: parameters
 ``encoder/layers/...`` and ``decoder/layers/...`` hold every layer stacked on a leading axis
 `[num_layers, ...]` (logical axis "layers") where the unrolled model has ``layers_0`` ...
@@ -32,7 +37,7 @@ import jax.numpy as jnp
 from flaxformer_lite import positions as pos_lib
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.layers import DecoderLayer, Embed, EncoderLayer, make_norm
-from flaxformer_lite.masks import causal_mask, combine_masks, padding_mask, segment_mask
+from flaxformer_lite.masks import AttentionMask
 
 Array = jax.Array
 
@@ -244,9 +249,13 @@ class Encoder(nn.Module):
                 inputs, positions, deterministic=deterministic
             )
         )
-        mask = padding_mask(inputs, inputs, cfg.pad_id)
-        if inputs_segmentation is not None:
-            mask = combine_masks(mask, segment_mask(inputs_segmentation, inputs_segmentation))
+        real = inputs != cfg.pad_id  # padding neither attends nor is attended to
+        mask = AttentionMask(
+            query_valid=real,
+            key_valid=real,
+            query_segment_ids=inputs_segmentation,
+            key_segment_ids=inputs_segmentation,
+        )
         weights = []
         if cfg.scan_layers:
             stack = _scan_stack(_ScannedEncoderLayer, cfg.num_encoder_layers, 2, cfg.remat)
@@ -320,18 +329,19 @@ class Decoder(nn.Module):
             )
             # Causality alone keeps real positions from seeing padding: every key at or before
             # a real target position is real.
-            self_mask = causal_mask(decoder_inputs.shape[1])
-            if targets_segmentation is not None:
-                self_mask = combine_masks(
-                    self_mask, segment_mask(targets_segmentation, targets_segmentation)
-                )
+            self_mask = AttentionMask(
+                causal=True,
+                query_segment_ids=targets_segmentation,
+                key_segment_ids=targets_segmentation,
+            )
         cross_mask = None
         if self.cross_attention:
-            cross_mask = (inputs != cfg.pad_id)[:, None, None, :]
-            if targets_segmentation is not None and inputs_segmentation is not None:
-                cross_mask = combine_masks(
-                    cross_mask, segment_mask(targets_segmentation, inputs_segmentation)
-                )
+            both = targets_segmentation is not None and inputs_segmentation is not None
+            cross_mask = AttentionMask(
+                key_valid=inputs != cfg.pad_id,
+                query_segment_ids=targets_segmentation if both else None,
+                key_segment_ids=inputs_segmentation if both else None,
+            )
 
         x = _constrain(
             _Embedder(cfg, self.embedding, name="embedder")(

@@ -7,6 +7,12 @@ parameter axes ("embed", "heads", "kv", "mlp", "vocab"); ``LOGICAL_RULES`` maps 
 mesh axes, so changing the parallelism never touches a layer. The stacked parameters of a
 ``scan_layers`` model have a leading "layers" axis, replicated: each device holds its shard of
 every layer, as in the unrolled model.
+
+Rules are tried in order, and a rule applies to a dimension only when its mesh axes are still
+free in that tensor and divide the dimension; otherwise the next rule for that name is tried
+(none left: the dimension is replicated). So key/value projections ("kv_embed", "kv_heads")
+split their heads over "tensor" when they can and their input axis otherwise (multi-query and
+few kv heads). ``check_attention_fits_mesh`` rejects a model whose attention cannot be split.
 """
 
 from __future__ import annotations
@@ -26,6 +32,12 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     # Parameters.
     ("embed", "fsdp"),
     ("heads", "tensor"),
+    # Key/value projections: heads over tensor when it divides them, else the input (d_model)
+    # axis over tensor too (row-parallel: partial products summed by one all-reduce).
+    ("kv_heads", "tensor"),
+    ("kv_embed", ("fsdp", "tensor")),
+    ("kv_embed", "fsdp"),
+    ("kv_embed", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("kv", None),
@@ -73,29 +85,66 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
 
+def logical_to_spec(
+    names: Sequence[str | None], shape: Sequence[int], mesh_sizes: Any, rules=LOGICAL_RULES
+) -> PartitionSpec:
+    """The PartitionSpec of one tensor from its logical axis names and shape.
+
+    Rules are tried in order; ``(name, mesh_axes)`` is taken by the first dimension called
+    ``name`` that no earlier rule placed, if none of ``mesh_axes`` is used by another dimension
+    of this tensor and their total size divides that dimension (``mesh_axes`` None: replicated,
+    and the name is settled). Dimensions no rule places are replicated.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"{len(names)} logical axis names {tuple(names)} for shape {shape}")
+    spec: list[Any] = [None] * len(names)
+    placed = [False] * len(names)
+    used: set[str] = set()
+    for name, mesh_axes in rules:
+        for pos, dim_name in enumerate(names):
+            if dim_name != name or placed[pos]:
+                continue
+            axes = () if mesh_axes is None else tuple(np.atleast_1d(mesh_axes).tolist())
+            size = int(np.prod([mesh_sizes[a] for a in axes])) if axes else 1
+            if used & set(axes) or shape[pos] % size:
+                break  # this rule cannot place it; a later rule for the name may
+            spec[pos], placed[pos] = mesh_axes, True
+            used.update(axes)
+            break
+    return PartitionSpec(*spec)
+
+
 def logical_shardings(abstract_tree: Any, mesh: Mesh, rules=LOGICAL_RULES) -> Any:
-    """NamedShardings for a tree whose leaves may be ``nn.LogicallyPartitioned`` boxes.
+    """NamedShardings for a tree whose leaves may be ``nn.LogicallyPartitioned`` boxes
+    (``logical_to_spec`` of each box's names and shape).
 
     Unboxed leaves (step counters, RNG keys, optimizer counts) are replicated.
     """
-    specs = nn.get_partition_spec(abstract_tree)
-    shardings = nn.logical_to_mesh_sharding(specs, mesh, list(rules))
-    shapes = nn.meta.unbox(abstract_tree)
-    return jax.tree_util.tree_map(lambda x, sh: _divisible(x.shape, sh), shapes, shardings)
+
+    def one(leaf: Any) -> NamedSharding:
+        if isinstance(leaf, nn.Partitioned):
+            spec = logical_to_spec(leaf.names, leaf.value.shape, mesh.shape, rules)
+            return NamedSharding(mesh, spec)
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map(
+        one, abstract_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+    )
 
 
-def _divisible(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:
-    """Replicates the dimensions a mesh axis does not divide (a vocabulary of 37,003 over 8
-    tensor-parallel devices, say) instead of failing: that one tensor is simply not split."""
-    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-    for i, axes in enumerate(spec):
-        if axes is None:
-            continue
-        names = axes if isinstance(axes, tuple) else (axes,)
-        size = int(np.prod([sharding.mesh.shape[a] for a in names]))
-        if shape[i] % size:
-            spec[i] = None
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+def check_attention_fits_mesh(config: Any, mesh: Mesh | dict[str, int]) -> None:
+    """Fails, naming the field, when tensor parallelism cannot split every attention kernel of
+    ``config`` (a TransformerConfig) over ``mesh``'s "tensor" axis. Query heads (and the output
+    projection) split over it; key/value kernels split their kv heads, or else d_model, which
+    then always divides (d_model = num_heads * head_dim). Call it where the mesh meets the
+    config (train.py does, before initialising)."""
+    tensor = int(dict(mesh.shape if isinstance(mesh, Mesh) else mesh).get("tensor", 1))
+    if tensor > 1 and config.num_heads % tensor:
+        raise ValueError(
+            f"TransformerConfig.num_heads ({config.num_heads}) must be divisible by the tensor-"
+            f"parallel degree {tensor} (mesh_shape's third entry) to split attention heads; "
+            "change num_heads or mesh_shape"
+        )
 
 
 def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, rules=LOGICAL_RULES) -> tuple[Any, Any]:

@@ -231,12 +231,14 @@ def test_parameters_carry_logical_axis_names():
     specs = nn.get_partition_spec(boxed)
     q = specs["encoder"]["layers_0"]["self_attention"]["query"]["kernel"]
     assert tuple(q) == ("embed", "heads", "kv")
+    k = specs["decoder"]["layers_0"]["cross_attention"]["key"]["kernel"]
+    assert tuple(k) == ("kv_embed", "kv_heads", "kv")  # split by kv heads or else d_model
     assert tuple(specs["source_embedding"]["embedding"]) == ("vocab", "embed")
     assert tuple(specs["decoder"]["layers_1"]["mlp"]["wi"]["kernel"]) == ("embed", "mlp")
     named = set()
     for spec in jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, tuple)):
         named.update(a for a in spec if a)
-    assert {"embed", "heads", "kv", "mlp", "vocab"} <= named
+    assert {"embed", "heads", "kv", "kv_embed", "kv_heads", "mlp", "vocab"} <= named
 
 
 def base_parameter_count(vocab: int, d: int, dff: int, n_enc: int, n_dec: int) -> int:

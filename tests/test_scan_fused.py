@@ -222,7 +222,9 @@ def scanned_lm():
 
 def test_scanned_decoder_only_equals_unrolled(scanned_lm):
     cfg, params = scanned_lm
-    assert params["decoder"]["layers"]["self_attention"]["qkv"]["kernel"].shape == (2, 32, 2, 4, 8)
+    qkv = params["decoder"]["layers"]["self_attention"]["qkv"]
+    assert qkv["query_kernel"].shape == (2, 32, 4, 8)  # [layers, embed, heads, head_dim]
+    assert qkv["kv_kernel"].shape == (2, 32, 2, 2, 8)  # [layers, embed, k|v, kv_heads, head_dim]
     logits, grads, weights = lm_outputs(cfg, params, Y)
     flat_params, flat_cfg = unrolled(params, cfg)
     ref_logits, ref_grads, ref_weights = lm_outputs(flat_cfg, flat_params, Y)
@@ -359,7 +361,7 @@ def test_scanned_model_initialises_sharded_on_a_2x2x2_mesh():
     assert out["diff"] == 0.0  # the same values as an unsharded init
     # The stacked "layers" axis is replicated; the others are split as in the unrolled model.
     assert out["specs"] == {
-        "encoder/layers/self_attention/qkv/kernel": [None, "fsdp", "tensor", None, None],
+        "encoder/layers/self_attention/qkv/kernel": [None, "fsdp", None, "tensor", None],
         "encoder/layers/mlp/wi/kernel": [None, "fsdp", "tensor"],
         "decoder/layers/cross_attention/query/kernel": [None, "fsdp", "tensor", None],
         "decoder/layers/mlp/wo/bias": [None, "fsdp"],
@@ -372,26 +374,20 @@ def test_scanned_model_initialises_sharded_on_a_2x2x2_mesh():
 
 def fuse_qkv(params: dict, group: int) -> dict:
     """Unfused parameters -> the fused model's: every self-attention's query `[e, h, d]`, key
-    and value `[e, kv, d]` kernels become one "qkv" kernel `[e, kv, group + 2, d]` (biases
-    alike); cross-attention keeps its projections."""
+    and value `[e, kv, d]` kernels become "qkv" `kernel` `[e, 3, h, d]` (multi-head) or
+    `query_kernel` `[e, h, d]` + `kv_kernel` `[e, 2, kv, d]` (grouped/multi-query), biases
+    alike; cross-attention keeps its projections."""
     if not isinstance(params, dict):
         return params
     out = {k: fuse_qkv(v, group) for k, v in params.items()}
     attention = out.get("self_attention")
     if attention is not None and "query" in attention:
         q, k, v = (attention.pop(name) for name in ("query", "key", "value"))
-        kv_heads = k["kernel"].shape[-2]
-        attention["qkv"] = {
-            name: jnp.concatenate(
-                [
-                    q[name].reshape(*q[name].shape[:-2], kv_heads, group, q[name].shape[-1]),
-                    k[name][..., None, :],
-                    v[name][..., None, :],
-                ],
-                axis=-2,
-            )
-            for name in q
-        }
+        if group == 1:
+            attention["qkv"] = {n: jnp.stack([q[n], k[n], v[n]], axis=-3) for n in q}
+        else:
+            attention["qkv"] = {f"query_{n}": q[n] for n in q}
+            attention["qkv"].update({f"kv_{n}": jnp.stack([k[n], v[n]], axis=-3) for n in k})
     return out
 
 
@@ -430,7 +426,12 @@ def test_fused_parameter_layout_matches_an_init_of_the_fused_model(fused):
     want = jax.tree_util.tree_map(lambda s: s.shape, nn.meta.unbox(boxed))
     assert jax.tree_util.tree_map(lambda a: a.shape, fused_params) == want
     layer = nn.get_partition_spec(boxed)["decoder"]["layers_0"]
-    assert tuple(layer["self_attention"]["qkv"]["kernel"]) == ("embed", "heads", None, "kv")
+    qkv = layer["self_attention"]["qkv"]
+    if cfg.kv_heads == cfg.num_heads:
+        assert tuple(qkv["kernel"]) == ("embed", None, "heads", "kv")
+    else:
+        assert tuple(qkv["query_kernel"]) == ("embed", "heads", "kv")
+        assert tuple(qkv["kv_kernel"]) == ("kv_embed", None, "kv_heads", "kv")
     assert set(layer["self_attention"]) == {"qkv", "out"}
     if x is not None:  # cross-attention is not fused
         assert set(layer["cross_attention"]) == {"query", "key", "value", "out"}

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from flaxformer_lite import sharding
 from flaxformer_lite.checkpoints import Checkpointer
@@ -250,12 +250,19 @@ def test_mesh_shape_resolution_and_errors():
             sharding.mesh_shape(bad, 8)
 
 
-def test_indivisible_dimensions_are_replicated():
-    devices = np.asarray(jax.devices()[:1]).reshape(1, 1, 1)
-    mesh = Mesh(devices, sharding.MESH_AXES)
-    # Pretend a tensor axis of 1 cannot divide nothing; use a fake mesh shape via a spec check.
-    sh = NamedSharding(mesh, PartitionSpec("tensor", None))
-    assert sharding._divisible((7, 4), sh).spec == PartitionSpec("tensor", None)
+def test_logical_to_spec_falls_back_rule_by_rule_and_replicates_what_nothing_divides():
+    sizes = {"data": 2, "fsdp": 1, "tensor": 4}
+    to_spec = sharding.logical_to_spec
+    # A vocabulary of 37,003 over 4 tensor-parallel devices: that axis is simply not split.
+    assert to_spec(("vocab", "embed"), (37003, 64), sizes) == PartitionSpec(None, "fsdp")
+    assert to_spec(("vocab", "embed"), (37000, 64), sizes) == PartitionSpec("tensor", "fsdp")
+    # Key/value kernels: kv heads over tensor when it divides them, else the input axis.
+    kv = ("kv_embed", "kv_heads", "kv")
+    assert to_spec(kv, (64, 4, 16), sizes) == PartitionSpec("fsdp", "tensor", None)
+    assert to_spec(kv, (64, 1, 16), sizes) == PartitionSpec(("fsdp", "tensor"), None, None)
+    assert to_spec(kv, (72, 1, 16), {**sizes, "fsdp": 8}) == PartitionSpec("fsdp", None, None)
+    assert to_spec(kv, (66, 2, 16), sizes) == PartitionSpec("fsdp", None, None)  # no tensor
+    assert to_spec(kv, (66, 2, 16), {**sizes, "fsdp": 4}) == PartitionSpec(None, None, None)
 
 
 def test_process_rows_slices_this_process():
