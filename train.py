@@ -220,7 +220,7 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dic
         else:
             max_len = min(cfg.max_len, int(inputs.shape[1] * 1.5) + 10)
         local = sharding.host_local_to_global(sharding.process_rows({"x": inputs}), mesh)["x"]
-        tokens, _ = generate(params, cfg, local, method="greedy", max_len=max_len)
+        tokens, _ = generate(params, cfg, local, mesh=mesh, method="greedy", max_len=max_len)
         tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
         for row in range(tokens.shape[0]):
             if task.metric == "exact_match":
@@ -255,11 +255,11 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dic
     return {"eval/bleu": bleu.score}, examples
 
 
-def lm_sample(task: tasks.Task, params, cfg: TransformerConfig, step: int) -> str:
+def lm_sample(task: tasks.Task, params, cfg: TransformerConfig, step: int, mesh) -> str:
     """A sampled continuation (temperature 0.8) of the first held-out window's opening."""
     prompt = np.asarray(task.eval_batches[0]["targets"][:1, :32])
     tokens, _ = continue_prompt(
-        params, cfg, jnp.asarray(prompt), method="sample", temperature=0.8,
+        params, cfg, prompt, mesh=mesh, method="sample", temperature=0.8,
         max_len=cfg.max_len - prompt.shape[1] - 1, rng=jax.random.key(step),
     )  # fmt: skip
     return (
@@ -382,7 +382,7 @@ def train_and_evaluate(
             for src, hyp, ref in examples:
                 log(f"  {src!r} -> {hyp!r} (reference {ref!r})")
         if task.kind == "lm" and config.decode_eval:
-            log(f"  sample: {lm_sample(task, state.params, cfg, step)!r}")
+            log(f"  sample: {lm_sample(task, state.params, cfg, step, mesh)!r}")
         writer.write(step, metrics)
         log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
