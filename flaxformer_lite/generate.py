@@ -185,7 +185,7 @@ def place_params(params: Any, model_cls: type, config: TransformerConfig, mesh: 
     )
 
 
-def place_rows(tokens: Any, mesh: Mesh) -> tuple[jax.Array, int]:
+def place_rows(tokens: Any, mesh: Mesh, name: str = "inputs") -> tuple[jax.Array, int]:
     """Token ids `[rows, length]` as a global array with its rows split over the data axes.
 
     Rows that ``sharding.batch_parallelism(mesh)`` does not divide are padded with copies of
@@ -193,12 +193,15 @@ def place_rows(tokens: Any, mesh: Mesh) -> tuple[jax.Array, int]:
     Returns the placed `[padded_rows, length]` array and the real row count.
 
     Raises:
-      ValueError: ``tokens`` is not rank 2, or is a multi-process array whose rows the data
-        axes do not divide (each process holds only its part: padding it is the caller's).
+      ValueError: ``tokens`` (``name`` in the message) is not rank 2, or is a multi-process
+        array whose rows the data axes do not divide (each process holds only its part:
+        padding it is the caller's).
     """
-    rows = int(tokens.shape[0])
+    if not hasattr(tokens, "shape"):  # nested lists
+        tokens = np.asarray(tokens, np.int32)
     if len(tokens.shape) != 2:
-        raise ValueError(f"token ids must be [batch, length]; got shape {tuple(tokens.shape)}")
+        raise ValueError(f"{name} must be [batch, length] token ids; got shape {tokens.shape}")
+    rows = int(tokens.shape[0])
     split = sharding.batch_parallelism(mesh)
     padded = -(-rows // split) * split
     target = sharding.batch_sharding(mesh)
@@ -206,8 +209,8 @@ def place_rows(tokens: Any, mesh: Mesh) -> tuple[jax.Array, int]:
         return jax.device_put(tokens, target), rows
     if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
         raise ValueError(
-            f"a multi-process batch of {rows} rows cannot be split over the mesh's data x fsdp "
-            f"axes ({split} devices): give a multiple of {split} rows"
+            f"{name}: a multi-process batch of {rows} rows cannot be split over the mesh's "
+            f"data x fsdp axes ({split} devices): give a multiple of {split} rows"
         )
     host = np.asarray(tokens)
     if padded != rows:
@@ -443,7 +446,7 @@ def continue_prompt(
     """
     _check_method(method)
     mesh = default_mesh() if mesh is None else mesh
-    prompt, rows = place_rows(prompt, mesh)
+    prompt, rows = place_rows(prompt, mesh, "prompt")
     return continue_prompt_jit(
         place_params(params, DecoderOnly, config, mesh),
         config,

@@ -323,6 +323,11 @@ def test_unknown_method_names_the_argument(params, inputs):
         generate(params, CONFIG, inputs, method="nucleus")
 
 
+def test_inputs_that_are_not_a_batch_of_rows_name_the_argument(params):
+    with pytest.raises(ValueError, match=r"inputs must be \[batch, length\]"):
+        generate(params, CONFIG, np.array([5, 9, 1]), max_len=4)
+
+
 def test_sampling_without_rng_fails(params, inputs):
     with pytest.raises(ValueError, match="rng"):
         generate(params, CONFIG, inputs, method="sample", max_len=MAX_LEN)
