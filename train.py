@@ -210,7 +210,7 @@ def greedy_decode_in_order(params, cfg: TransformerConfig, inputs, mesh, max_len
     reference order for any device-to-process layout of the mesh.
     """
     batch = sharding.global_rows_with_ids({"x": np.asarray(inputs)}, mesh)
-    tokens, _ = generate(params, cfg, batch["x"], method="greedy", max_len=max_len)
+    tokens, _ = generate(params, cfg, batch["x"], mesh=mesh, method="greedy", max_len=max_len)
     return sharding.gather_in_row_order(tokens, batch[sharding.ROW_ID])
 
 
@@ -260,11 +260,11 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dic
     return {"eval/bleu": bleu.score}, examples
 
 
-def lm_sample(task: tasks.Task, params, cfg: TransformerConfig, step: int) -> str:
+def lm_sample(task: tasks.Task, params, cfg: TransformerConfig, step: int, mesh) -> str:
     """A sampled continuation (temperature 0.8) of the first held-out window's opening."""
     prompt = np.asarray(task.eval_batches[0]["targets"][:1, :32])
     tokens, _ = continue_prompt(
-        params, cfg, jnp.asarray(prompt), method="sample", temperature=0.8,
+        params, cfg, prompt, mesh=mesh, method="sample", temperature=0.8,
         max_len=cfg.max_len - prompt.shape[1] - 1, rng=jax.random.key(step),
     )  # fmt: skip
     return (
@@ -443,7 +443,7 @@ def train_and_evaluate(
             for src, hyp, ref in examples:
                 log(f"  {src!r} -> {hyp!r} (reference {ref!r})")
         if task.kind == "lm" and config.decode_eval:
-            log(f"  sample: {lm_sample(task, state.params, cfg, step)!r}")
+            log(f"  sample: {lm_sample(task, state.params, cfg, step, mesh)!r}")
         writer.write(step, metrics)
         log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics

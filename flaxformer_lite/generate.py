@@ -4,6 +4,13 @@
 batch, the decoder runs one position per step against its key/value cache. A ``scan_layers``
 model decodes as its unrolled equivalent (``models.unrolled``): the cache is one array per
 layer with the batch on axis 0, which beam search expands and gathers.
+
+Both run on a ``jax.sharding.Mesh`` (default: every device, ``sharding.make_mesh()``): the
+batch is split over its ``data`` and ``fsdp`` axes, the parameters are placed by the logical
+axis rules of ``sharding.py`` (heads, MLP units and vocabulary over ``tensor``), and the
+key/value cache keeps its batch on ``data`` x ``fsdp`` and its kv heads on ``tensor``
+(``sharding.cache_sharding``). A batch whose rows the data axes do not divide is padded with
+copies of its first row, which are dropped from the result inside the same jitted call.
 """
 
 from __future__ import annotations
@@ -11,10 +18,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxformer_lite import decoding
+from flaxformer_lite import decoding, sharding
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models import DecoderOnly, EncoderDecoder, unrolled
 
@@ -29,6 +39,8 @@ STATIC_ARGNAMES = (
     "temperature",
     "top_k",
     "top_p",
+    "mesh",
+    "rows",
 )
 
 
@@ -138,12 +150,229 @@ def _search(
     return sequences[:, 0], scores[:, 0]
 
 
+# ----------------------------------------------------------------------------- placement
+
+
+@functools.lru_cache(maxsize=8)
+def _default_mesh(devices: tuple) -> Mesh:
+    return sharding.make_mesh((-1, 1, 1), devices)
+
+
+def default_mesh() -> Mesh:
+    """Every device, the batch split over all of them: ``sharding.make_mesh((-1, 1, 1))``."""
+    return _default_mesh(tuple(jax.devices()))
+
+
+@functools.lru_cache(maxsize=32)
+def param_shardings(model_cls: type, config: TransformerConfig, mesh: Mesh) -> Any:
+    """NamedShardings of ``model_cls(config)``'s parameter tree on ``mesh``, from the logical
+    axis names its layers give their parameters (``sharding.LOGICAL_RULES``); only shapes
+    are traced. A prefix of boxed parameter trees too (one sharding per box)."""
+    model = model_cls(config)
+    tokens = jnp.ones((1, 1), jnp.int32)
+    args = (tokens, tokens) if model_cls is EncoderDecoder else (tokens,)
+    # No rules in force while tracing: under the caller's (train.py's loop) unboxing would
+    # constrain the shape-only leaves.
+    with nn.logical_axis_rules(()):
+        abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
+        return sharding.logical_shardings(abstract, mesh)
+
+
+def place_params(params: Any, model_cls: type, config: TransformerConfig, mesh: Mesh) -> Any:
+    """``params`` on ``mesh`` as :func:`param_shardings` says (no copy where already there)."""
+    return jax.tree_util.tree_map(
+        lambda sh, p: jax.device_put(p, sh), param_shardings(model_cls, config, mesh), params
+    )
+
+
+def place_rows(tokens: Any, mesh: Mesh, name: str = "inputs") -> tuple[jax.Array, int]:
+    """Token ids `[rows, length]` as a global array with its rows split over the data axes.
+
+    Rows that ``sharding.batch_parallelism(mesh)`` does not divide are padded with copies of
+    row 0 (they end when it does, so they never keep the decoding loop running longer).
+    Returns the placed `[padded_rows, length]` array and the real row count.
+
+    Raises:
+      ValueError: ``tokens`` (``name`` in the message) is not rank 2, or is a multi-process
+        array whose rows the data axes do not divide (each process holds only its part:
+        padding it is the caller's).
+    """
+    if not hasattr(tokens, "shape"):  # nested lists
+        tokens = np.asarray(tokens, np.int32)
+    if len(tokens.shape) != 2:
+        raise ValueError(f"{name} must be [batch, length] token ids; got shape {tokens.shape}")
+    rows = int(tokens.shape[0])
+    split = sharding.batch_parallelism(mesh)
+    padded = -(-rows // split) * split
+    target = sharding.batch_sharding(mesh)
+    if isinstance(tokens, jax.Array) and padded == rows:
+        return jax.device_put(tokens, target), rows
+    if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+        raise ValueError(
+            f"{name}: a multi-process batch of {rows} rows cannot be split over the mesh's "
+            f"data x fsdp axes ({split} devices): give a multiple of {split} rows"
+        )
+    host = np.asarray(tokens)
+    if padded != rows:
+        host = np.concatenate([host, np.repeat(host[:1], padded - rows, axis=0)])
+    # From the host value on every process: also right when the mesh spans several hosts.
+    return jax.make_array_from_callback(host.shape, target, lambda index: host[index]), rows
+
+
+def _replicated(x: jax.Array | None, mesh: Mesh) -> jax.Array | None:
+    return None if x is None else jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+
+
+def _constrain_params(params: Any, model_cls: type, config: TransformerConfig, mesh: Mesh):
+    return jax.tree_util.tree_map(
+        lambda sh, p: jax.lax.with_sharding_constraint(p, sh),
+        param_shardings(model_cls, config, mesh),
+        params,
+    )
+
+
+def _constrain_cache(cache: Any, mesh: Mesh) -> Any:
+    return jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))
+
+
+def _sharded_step(step, mesh: Mesh):
+    """``step`` whose returned cache keeps :func:`sharding.cache_shardings` (the while loop's
+    carry then stays in place instead of being gathered)."""
+
+    def call(tokens, cache):
+        logits, cache = step(tokens, cache)
+        return logits, _constrain_cache(cache, mesh)
+
+    return call
+
+
+def _unpad(outputs: Any, rows: int | None, mesh: Mesh) -> Any:
+    """The first ``rows`` rows of each output: still split over the data axes when nothing
+    was padded, replicated otherwise (a row count the data axes do not divide)."""
+    if rows is None or rows == jax.tree_util.tree_leaves(outputs)[0].shape[0]:
+        return jax.lax.with_sharding_constraint(outputs, sharding.batch_sharding(mesh))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.with_sharding_constraint(x[:rows], replicated), outputs
+    )
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+
+
+# ----------------------------------------------------------------------------- jitted calls
+
+
 @functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
-def generate(
+def generate_jit(
     params: Any,
     config: TransformerConfig,
     inputs: jax.Array,
     *,
+    mesh: Mesh,
+    rows: int | None = None,
+    method: str = "greedy",
+    max_len: int | None = None,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    rng: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The one jitted call of :func:`generate`: ``inputs`` `[padded_rows, src_len]` (a multiple
+    of the data axes), the first ``rows`` of the results returned (None: all of them).
+    Called directly (``.lower`` for ahead-of-time compilation), it places nothing itself:
+    arguments on other shardings are moved inside the call."""
+    _check_method(method)
+    params = _constrain_params(params, EncoderDecoder, config, mesh)
+    inputs = jax.lax.with_sharding_constraint(inputs, sharding.batch_sharding(mesh))
+    params, config = unrolled(params, config)
+    max_len = config.max_len if max_len is None else max_len
+    options = dict(
+        beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
+    )
+    model = EncoderDecoder(config)
+    batch_size = inputs.shape[0]
+    # The models' own activation constraints (``models._constrain``) follow the same rules.
+    with (
+        jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+        nn.logical_axis_rules(sharding.LOGICAL_RULES),
+    ):
+        encoded = model.apply({"params": params}, inputs, method=model.encode)
+        if method == "beam":  # beams of one source share its encoding: expand before priming
+            encoded, inputs = decoding.expand_to_beams((encoded, inputs), beam_size)
+        beam_rows = inputs.shape[0]
+        cache = _constrain_cache(
+            init_cache(model, params, beam_rows, max_len, inputs.shape[1]), mesh
+        )
+        # A zero-length decoder call projects the encoder keys/values of every layer into the
+        # cache once; the steps below pass encoded=None and project only their new position.
+        prime = _sharded_step(_decoder_call(model, params, encoded, inputs), mesh)
+        _, cache = prime(jnp.zeros((beam_rows, 0), jnp.int32), cache)
+        step = _sharded_step(_decoder_call(model, params, None, inputs), mesh)
+        tokens, scores = _search(
+            method, step, cache, batch_size, max_len, initial_tokens=None, **options
+        )
+    return _unpad((tokens, scores), rows, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
+def continue_prompt_jit(
+    params: Any,
+    config: TransformerConfig,
+    prompt: jax.Array,
+    *,
+    mesh: Mesh,
+    rows: int | None = None,
+    method: str = "greedy",
+    max_len: int | None = None,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    rng: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The one jitted call of :func:`continue_prompt` (see :func:`generate_jit`)."""
+    _check_method(method)
+    params = _constrain_params(params, DecoderOnly, config, mesh)
+    prompt = jax.lax.with_sharding_constraint(prompt, sharding.batch_sharding(mesh))
+    params, config = unrolled(params, config)
+    model = DecoderOnly(config)
+    batch_size, prompt_len = prompt.shape
+    max_len = config.max_len - prompt_len - 1 if max_len is None else max_len
+    options = dict(
+        beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
+    )
+    bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
+    context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
+    with (
+        jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+        nn.logical_axis_rules(sharding.LOGICAL_RULES),
+    ):
+        cache = _constrain_cache(
+            init_cache(model, params, batch_size, prompt_len + 1 + max_len), mesh
+        )
+        step = _sharded_step(_decoder_call(model, params), mesh)
+        _, cache = step(context[:, :-1], cache)  # prefill the prompt
+        tokens, scores = _search(
+            method, step, cache, batch_size, max_len, initial_tokens=context[:, -1], **options
+        )
+    return _unpad((tokens, scores), rows, mesh)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def generate(
+    params: Any,
+    config: TransformerConfig,
+    inputs: Any,
+    *,
+    mesh: Mesh | None = None,
     method: str = "greedy",
     max_len: int | None = None,
     beam_size: int = 4,
@@ -157,44 +386,47 @@ def generate(
 
     Args:
       params: the model parameters (``variables["params"]``, boxed or not; stacked ones of a
-        ``scan_layers`` model are unstacked here).
+        ``scan_layers`` model are unstacked inside the call).
       config: the model's TransformerConfig.
-      inputs: int `[batch, src_len]`, padded with 0; rows may have different lengths.
+      inputs: int `[batch, src_len]`, padded with 0; rows may have different lengths (numpy,
+        or a jax array; a multi-process global array needs rows the data axes divide).
+      mesh: the devices to run on (axes data, fsdp, tensor); None = every device, the batch
+        split over all of them. Parameters already placed on it are not copied.
       method: "greedy", "beam" (beam search, GNMT length penalty ``alpha``) or "sample"
         (temperature, top-k, top-p; needs ``rng``).
       max_len: tokens to generate at most (EOS included); None = ``config.max_len``.
 
     Returns:
       tokens int32 `[batch, max_len]` (EOS-terminated, PAD after EOS, no BOS) and scores
-      float32 `[batch]` (log-probability; length-normalised for beam search).
+      float32 `[batch]` (log-probability; length-normalised for beam search). The same
+      tokens on any mesh (up to float rounding between different reduction orders).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
-    params, config = unrolled(params, config)
-    max_len = config.max_len if max_len is None else max_len
-    options = dict(
-        beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
+    _check_method(method)
+    mesh = default_mesh() if mesh is None else mesh
+    inputs, rows = place_rows(inputs, mesh)
+    return generate_jit(
+        place_params(params, EncoderDecoder, config, mesh),
+        config,
+        inputs,
+        mesh=mesh,
+        rows=rows,
+        method=method,
+        max_len=max_len,
+        beam_size=beam_size,
+        alpha=alpha,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        rng=_replicated(rng, mesh),
     )
-    model = EncoderDecoder(config)
-    batch_size = inputs.shape[0]
-    encoded = model.apply({"params": params}, inputs, method=model.encode)
-    if method == "beam":  # beams of one source share its encoding: expand before priming
-        encoded, inputs = decoding.expand_to_beams((encoded, inputs), beam_size)
-    rows = inputs.shape[0]
-    cache = init_cache(model, params, rows, max_len, inputs.shape[1])
-    # A zero-length decoder call projects the encoder keys/values of every layer into the
-    # cache once; the steps below pass encoded=None and project only their new position.
-    _, cache = _decoder_call(model, params, encoded, inputs)(jnp.zeros((rows, 0), jnp.int32), cache)
-    step = _decoder_call(model, params, None, inputs)
-    return _search(method, step, cache, batch_size, max_len, initial_tokens=None, **options)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def continue_prompt(
     params: Any,
     config: TransformerConfig,
-    prompt: jax.Array,
+    prompt: Any,
     *,
+    mesh: Mesh | None = None,
     method: str = "greedy",
     max_len: int | None = None,
     beam_size: int = 4,
@@ -208,23 +440,25 @@ def continue_prompt(
 
     prompt: int `[batch, prompt_len]` without padding (BOS is prepended here). The prompt is
     written into the cache in one call (prefill); then up to ``max_len`` tokens are generated
-    (None: as many as ``config.max_len`` leaves after BOS and the prompt).
+    (None: as many as ``config.max_len`` leaves after BOS and the prompt). ``mesh`` and the
+    other options as in :func:`generate`.
     Returns the continuation `[batch, max_len]` and scores `[batch]`.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
-    params, config = unrolled(params, config)
-    model = DecoderOnly(config)
-    batch_size, prompt_len = prompt.shape
-    max_len = config.max_len - prompt_len - 1 if max_len is None else max_len
-    options = dict(
-        beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
-    )
-    bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
-    context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
-    cache = init_cache(model, params, batch_size, prompt_len + 1 + max_len)
-    _, cache = _decoder_call(model, params)(context[:, :-1], cache)  # prefill the prompt
-    step = _decoder_call(model, params)
-    return _search(
-        method, step, cache, batch_size, max_len, initial_tokens=context[:, -1], **options
+    _check_method(method)
+    mesh = default_mesh() if mesh is None else mesh
+    prompt, rows = place_rows(prompt, mesh, "prompt")
+    return continue_prompt_jit(
+        place_params(params, DecoderOnly, config, mesh),
+        config,
+        prompt,
+        mesh=mesh,
+        rows=rows,
+        method=method,
+        max_len=max_len,
+        beam_size=beam_size,
+        alpha=alpha,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        rng=_replicated(rng, mesh),
     )

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 
-from flaxformer_lite import paths
+from flaxformer_lite import paths, sharding
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.generate import METHODS, generate
+from flaxformer_lite.generate import METHODS, default_mesh, generate, place_params
 from flaxformer_lite.models import EncoderDecoder, unrolled
 from flaxformer_lite.synthetic import SymbolVocabulary  # noqa: E402  (re-exported)
 
@@ -212,6 +212,8 @@ class Translator:
       beam_size, alpha: defaults of :meth:`translate` (``from_workdir`` reads them from the
         run's ``config.json`` when it has them).
       name: where the model came from, for messages.
+      mesh: the devices that decode (a ``sharding.make_mesh`` mesh: batch over ``data`` x
+        ``fsdp``, heads over ``tensor``); None = every device, the batch split over all.
 
     A ``scan_layers`` model is converted once, here, to its unrolled equivalent
     (``models.unrolled``: same outputs), which ``config`` and ``params`` then hold.
@@ -227,6 +229,7 @@ class Translator:
         beam_size: int = 4,
         alpha: float = 0.6,
         name: str = "",
+        mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         params, config = unrolled(params, config)
         self.config = config
@@ -235,13 +238,21 @@ class Translator:
         self.beam_size = beam_size
         self.alpha = alpha
         self.name = name
-        # On the device once, not at every call.
-        self.params = jax.device_put(params)
+        self.mesh = default_mesh() if mesh is None else mesh
+        # On the devices once, in their shards, not at every call.
+        self.params = place_params(params, EncoderDecoder, config, self.mesh)
 
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_workdir(cls, workdir: str, *, step: int | None = None, average: int = 1) -> Translator:
+    def from_workdir(
+        cls,
+        workdir: str,
+        *,
+        step: int | None = None,
+        average: int = 1,
+        mesh: jax.sharding.Mesh | None = None,
+    ) -> Translator:
         """Loads the model config, vocabulary and parameters of a ``train.py`` workdir.
 
         Args:
@@ -249,6 +260,7 @@ class Translator:
           step: checkpoint step to load; None = the latest.
           average: use the mean parameters of the ``average`` last checkpoints up to ``step``
             (checkpoint averaging; 1 = that checkpoint alone).
+          mesh: the devices that decode (see the class); None = every device.
 
         Raises:
           FileNotFoundError: no such workdir, no ``model_config.json``, no vocabulary, no
@@ -321,6 +333,7 @@ class Translator:
             beam_size=int(run.get("beam_size") or 4),
             alpha=float(0.6 if run.get("alpha") is None else run["alpha"]),
             name=f"{workdir} ({label})",
+            mesh=mesh,
         )
 
     @staticmethod
@@ -414,7 +427,8 @@ class Translator:
             translator's defaults (the run's ``config.json``, else 4 and 0.6).
           batch_size: most sentences per decoding call. Every call of one ``translate`` uses
             the same row count: ``batch_size``, or the next power of two at or above the number
-            of sentences when there are fewer (so one short input does not pay for 64 rows).
+            of sentences when there are fewer (so one short input does not pay for 64 rows),
+            rounded up to a multiple of the devices the batch is split over.
           max_len: most tokens to generate; None = ``min(model max_len, 1.5 * source + 10)``.
           temperature, top_k, top_p: sampling filters (method="sample").
           seed: sampling key (batch i uses ``fold_in(key(seed), i)``): same seed, same output.
@@ -441,6 +455,7 @@ class Translator:
         if not order:
             return outputs
         rows = min(batch_size, 1 << (len(order) - 1).bit_length())
+        rows = _round_up(rows, sharding.batch_parallelism(self.mesh))  # no padding in generate
         from tqdm import tqdm
 
         with tqdm(total=len(order), disable=not progress, unit="sent", desc="translate") as bar:
@@ -496,7 +511,8 @@ class Translator:
         tokens, _ = generate(
             self.params,
             self.config,
-            jnp.asarray(inputs),
+            inputs,
+            mesh=self.mesh,
             method=method,
             max_len=max_len,
             beam_size=beam_size,

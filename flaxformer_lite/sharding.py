@@ -80,9 +80,40 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1), devices: Sequence[Any] | None =
     return Mesh(grid, MESH_AXES)
 
 
+# The mesh axes a batch is split over.
+BATCH_AXES = ("data", "fsdp")
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) axis split over the data and fsdp axes; the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def batch_parallelism(mesh: Mesh) -> int:
+    """Devices a batch is split over (data x fsdp): batch rows must be a multiple of it."""
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def cache_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    """Where one entry of a decoding key/value cache lives.
+
+    Keys and values `[batch, length, kv_heads, head_dim]` put the batch on data x fsdp and the
+    kv heads on tensor, each only where the mesh axis divides the dimension (multi-query
+    attention's single kv head stays whole on every tensor-parallel device). Another entry
+    has its leading axis split like a batch when that divides; scalars (``cache_index``)
+    are replicated.
+    """
+    spec: list[Any] = [None] * len(shape)
+    if len(shape) >= 1 and shape[0] % batch_parallelism(mesh) == 0:
+        spec[0] = BATCH_AXES
+    if len(shape) == 4 and shape[2] % mesh.shape["tensor"] == 0:
+        spec[2] = "tensor"
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def cache_shardings(cache: Any, mesh: Mesh) -> Any:
+    """:func:`cache_sharding` for every array of a cache tree (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map(lambda x: cache_sharding(x.shape, mesh), cache)
 
 
 def logical_to_spec(

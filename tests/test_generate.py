@@ -16,17 +16,26 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, PartitionSpec
 
+from flaxformer_lite import sharding
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.decoding import BOS_ID, EOS_ID, PAD_ID, length_penalty
 from flaxformer_lite.generate import generate
 from flaxformer_lite.models import EncoderDecoder
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = TransformerConfig(
     vocab_size=24,
@@ -314,6 +323,82 @@ def test_unknown_method_names_the_argument(params, inputs):
         generate(params, CONFIG, inputs, method="nucleus")
 
 
+def test_inputs_that_are_not_a_batch_of_rows_name_the_argument(params):
+    with pytest.raises(ValueError, match=r"inputs must be \[batch, length\]"):
+        generate(params, CONFIG, np.array([5, 9, 1]), max_len=4)
+
+
 def test_sampling_without_rng_fails(params, inputs):
     with pytest.raises(ValueError, match="rng"):
         generate(params, CONFIG, inputs, method="sample", max_len=MAX_LEN)
+
+
+# ----------------------------------------------------------------------------- meshes
+
+
+def test_cache_sharding_splits_batch_and_divisible_kv_heads():
+    devices = np.asarray(jax.devices()[:1]).reshape(1, 1, 1)
+    mesh = Mesh(devices, sharding.MESH_AXES)
+    # A 1-device mesh divides everything: [batch, length, kv_heads, head_dim] -> batch, heads.
+    spec = sharding.cache_sharding((6, 10, 4, 8), mesh).spec
+    assert spec == PartitionSpec(("data", "fsdp"), None, "tensor", None)
+    assert sharding.cache_sharding((), mesh).spec == PartitionSpec()
+
+
+def test_cache_sharding_leaves_what_the_mesh_does_not_divide_whole():
+    # AbstractMesh: the rule needs only axis sizes, so 8 devices are not needed here.
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((2, 1, 4), sharding.MESH_AXES)
+    assert sharding.cache_sharding((6, 10, 4, 8), mesh).spec == PartitionSpec(
+        ("data", "fsdp"), None, "tensor", None
+    )
+    # Multi-query attention (1 kv head) and an odd row count: replicated there.
+    assert sharding.cache_sharding((5, 10, 1, 8), mesh).spec == PartitionSpec(
+        None, None, None, None
+    )
+
+
+@pytest.fixture(scope="module")
+def sharded_decoding(tmp_path_factory):
+    """tests/sharded_decode_helper.py on 8 simulated devices: one device, (8,1,1) and
+    (2,1,4), greedy and beam 4, continue_prompt and the Translator, in one subprocess."""
+    out = tmp_path_factory.mktemp("sharded_decoding")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "sharded_decode_helper.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return dict(np.load(out / "results.npz")), json.loads((out / "facts.json").read_text())
+
+
+@pytest.mark.parametrize("mesh", ["8x1x1", "2x1x4"])
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_eight_devices_decode_the_tokens_of_one(sharded_decoding, mesh, method):
+    results, facts = sharded_decoding
+    ref, got = results[f"one/{method}/tokens"], results[f"{mesh}/{method}/tokens"]
+    assert ref.shape == got.shape == (5, MAX_LEN)  # 5 rows: padded to 8 or 6, then dropped
+    assert len(set(generated_lengths(ref))) > 1 and len({tuple(r) for r in ref}) == 5
+    assert (results["one/beam/tokens"] != results["one/greedy/tokens"]).any()
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_allclose(
+        results[f"{mesh}/{method}/scores"], results[f"one/{method}/scores"], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_sharded_decoding_compiles_once_per_shape_and_splits_heads(sharded_decoding):
+    results, facts = sharded_decoding
+    assert facts["compiles"] == 6  # 3 meshes x 2 methods
+    assert facts["compiles_after_same_shape"] == 6
+    assert facts["query_kernel_spec"] == ["fsdp", "tensor", None]  # heads over tensor
+    np.testing.assert_array_equal(results["2x1x4/lm/tokens"], results["one/lm/tokens"])
+    # The Translator (and so the CLIs) decodes on every device by default, and gives what one
+    # device's tokens spell.
+    assert facts["translator_devices"] == 8
+    assert facts["translator"] == facts["one_greedy_decoded"]
