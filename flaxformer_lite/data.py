@@ -227,9 +227,10 @@ def load_pairs(
 
 
 def _count_lines(path: str) -> int:
-    """Lines of ``path`` as :func:`_read_lines` splits them ("\\n" only), read in binary."""
+    """Lines of ``path`` (local or ``gs://``) as :func:`_read_lines` splits them ("\\n" only),
+    read in binary."""
     count, last = 0, b"\n"
-    with open(path, "rb") as f:
+    with epath.Path(path).open("rb") as f:
         while chunk := f.read(1 << 24):
             count += chunk.count(b"\n")
             last = chunk[-1:]
@@ -237,9 +238,11 @@ def _count_lines(path: str) -> int:
 
 
 def _iter_lines(path: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", newline="\n") as f:
+    """Lines of a local or ``gs://`` text file, one at a time, split on "\\n" only (binary
+    lines: "\\r" and U+2028 stay inside their line, as in :func:`_read_lines`)."""
+    with epath.Path(path).open("rb") as f:
         for line in f:
-            yield line.rstrip("\n")
+            yield line.rstrip(b"\n").decode("utf-8")
 
 
 def _table_rows(table: Any, columns: Sequence[str], batch_size: int = 10_000) -> Iterator[tuple]:
@@ -279,7 +282,7 @@ def iter_pairs(
             source_path = os.path.join(data_dir, f"{split}.{source_lang}")
             target_path = os.path.join(data_dir, f"{split}.{target_lang}")
             for path in (source_path, target_path):
-                if not os.path.isfile(path):
+                if not epath.Path(path).is_file():
                     raise FileNotFoundError(f"data file not found: {path}")
             num_source, num_target = _count_lines(source_path), _count_lines(target_path)
             if num_source != num_target:
