@@ -190,15 +190,17 @@ def compile_step(
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| topology | mesh (data, fsdp, tensor) | batch | per-chip args / temps / peak MiB "
+        "| model | topology | mesh (data, fsdp, tensor) | batch | per-chip args / temps / peak MiB "
         "| XLA FLOPs per chip | analytic matmul FLOPs per chip | compile s |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         m = r["memory_per_chip_mib"]
         mesh = tuple(r["mesh"].values())
+        model = ", ".join(f"{k}={v}" for k, v in r.get("model_overrides", {}).items())
         lines.append(
-            f"| {r['topology']} ({r['device_kind']}) | {mesh} | {r['batch'][0]} x "
+            f"| wmt14_base {model} ({r['parameters'] / 1e6:.1f} M) | {r['topology']} "
+            f"({r['device_kind']}) | {mesh} | {r['batch'][0]} x "
             f"{r['batch'][1]} | {m['arguments']:,.0f} / {m['temporaries']:,.0f} / "
             f"{m['peak_estimate']:,.0f} | {r['xla_flops'] / 1e12:.2f} T | "
             f"{r['analytic_matmul_flops_per_chip'] / 1e12:.2f} T | {r['compile_s']} |"
