@@ -205,9 +205,14 @@ def place_rows(tokens: Any, mesh: Mesh, name: str = "inputs") -> tuple[jax.Array
     split = sharding.batch_parallelism(mesh)
     padded = -(-rows // split) * split
     target = sharding.batch_sharding(mesh)
-    if isinstance(tokens, jax.Array) and padded == rows:
+    global_input = isinstance(tokens, jax.Array) and not tokens.is_fully_addressable
+    if (
+        isinstance(tokens, jax.Array)
+        and padded == rows
+        and (global_input or target.is_fully_addressable)
+    ):
         return jax.device_put(tokens, target), rows
-    if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+    if global_input:
         raise ValueError(
             f"{name}: a multi-process batch of {rows} rows cannot be split over the mesh's "
             f"data x fsdp axes ({split} devices): give a multiple of {split} rows"

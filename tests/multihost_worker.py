@@ -96,7 +96,12 @@ def main(out: str, workdir: str, data_dir: str, process_id: int, num_processes: 
         one_device = jax.local_devices()[0]
         local_params = jax.device_put(params, one_device)
         single, _ = generate(
-            local_params, cfg, jax.device_put(inputs, one_device), method="greedy", max_len=12
+            local_params,
+            cfg,
+            jax.device_put(inputs, one_device),
+            mesh=sharding.make_mesh((1, 1, 1), [one_device]),
+            method="greedy",
+            max_len=12,
         )
     print(f"process {pid}: data {t0 - start:.1f} s, sharded {t1 - t0:.1f} s, "
           f"single {time.time() - t1:.1f} s")  # fmt: skip

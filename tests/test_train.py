@@ -162,7 +162,9 @@ def _wait_for_checkpoint(workdir: Path | str, proc: subprocess.Popen, timeout: f
     raise AssertionError("no checkpoint appeared in time")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+# SIGKILL (no chance to save) is tested in tests/test_gcs.py, against a bucket, where the
+# resumed run must also end bitwise equal to an uninterrupted one.
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, sig):
     workdir = tmp_path / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
