@@ -64,6 +64,29 @@ def model_config(config: Any, task: tasks.Task) -> TransformerConfig:
     return TransformerConfig(**fields)
 
 
+def make_optimizer(
+    config: Any, d_model: int
+) -> tuple[optax.Schedule, optax.GradientTransformation]:
+    """The run's learning-rate schedule and optimizer, as ``config`` names them."""
+    schedule = optim.make_schedule(
+        config.schedule,
+        learning_rate=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        total_steps=config.num_train_steps,
+        d_model=d_model,
+    )
+    tx = optim.make_optimizer(
+        config.optimizer,
+        schedule,
+        b1=config.b1,
+        b2=config.b2,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        grad_clip_norm=config.grad_clip_norm,
+    )
+    return schedule, tx
+
+
 def build_model(kind: str, cfg: TransformerConfig) -> nn.Module:
     if kind == "lm":
         return DecoderOnly(cfg)
@@ -360,22 +383,7 @@ def train_and_evaluate(
         paths.write_atomic(os.path.join(workdir, "model_config.json"), cfg.to_json())
 
     # Optimizer, mesh, and the train state initialised directly into its shards.
-    schedule = optim.make_schedule(
-        config.schedule,
-        learning_rate=config.learning_rate,
-        warmup_steps=config.warmup_steps,
-        total_steps=config.num_train_steps,
-        d_model=cfg.d_model,
-    )
-    tx = optim.make_optimizer(
-        config.optimizer,
-        schedule,
-        b1=config.b1,
-        b2=config.b2,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        grad_clip_norm=config.grad_clip_norm,
-    )
+    schedule, tx = make_optimizer(config, cfg.d_model)
     mesh = sharding.make_mesh(config.mesh_shape)
     sharding.check_attention_fits_mesh(cfg, mesh)  # before anything is initialised
     example = jax.tree_util.tree_map(lambda x: jnp.asarray(x[:1]), task.eval_batches[0])

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import data, flops, optim, sharding  # noqa: E402
+from flaxformer_lite import data, flops, sharding  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 VOCAB_SIZE = 37_000  # what the wmt14_base SentencePiece BPE vocabulary gives (shared)
@@ -76,22 +76,7 @@ def compile_step(
     config.model.update(model_overrides or {})
     cfg = train.model_config(config, sizes)
     model = train.build_model("translation", cfg)
-    schedule = optim.make_schedule(
-        config.schedule,
-        learning_rate=config.learning_rate,
-        warmup_steps=config.warmup_steps,
-        total_steps=config.num_train_steps,
-        d_model=cfg.d_model,
-    )
-    tx = optim.make_optimizer(
-        config.optimizer,
-        schedule,
-        b1=config.b1,
-        b2=config.b2,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        grad_clip_norm=config.grad_clip_norm,
-    )
+    schedule, tx = train.make_optimizer(config, cfg.d_model)
     rows = data.rows_for_length(length, config.tokens_per_batch, config.batch_size_multiple)
     example = jnp.ones((1, length), jnp.int32)
 
