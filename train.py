@@ -28,7 +28,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flaxformer_lite import flops, losses, optim, paths, sharding, tasks
+from flaxformer_lite import flops, lm_task, losses, optim, paths, sharding, tasks
 from flaxformer_lite.checkpoints import Checkpointer
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import continue_prompt, generate
@@ -285,7 +285,7 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dic
 
 def lm_sample(task: tasks.Task, params, cfg: TransformerConfig, step: int, mesh) -> str:
     """A sampled continuation (temperature 0.8) of the first held-out window's opening."""
-    prompt = np.asarray(task.eval_batches[0]["targets"][:1, :32])
+    prompt = np.asarray(task.eval_batches[0]["targets"][:1, : lm_task.PROMPT_LEN])
     tokens, _ = continue_prompt(
         params, cfg, prompt, mesh=mesh, method="sample", temperature=0.8,
         max_len=cfg.max_len - prompt.shape[1] - 1, rng=jax.random.key(step),

@@ -105,11 +105,11 @@ def worker(args: argparse.Namespace) -> None:
         from flaxformer_lite import sharding
 
         sharding.initialize_distributed(args.address, args.num_processes, args.process_id)
-    from flaxformer_lite import data
+    from flaxformer_lite import translation_task
 
     config = types.SimpleNamespace(**CONFIG, data_dir=args.data_dir)
     build_start = time.time()
-    built = data.build_translation_data(
+    built = translation_task.build_translation_data(
         config, args.workdir, process_index=args.process_id, process_count=args.num_processes
     )
     batch = built.train.next()
@@ -156,7 +156,7 @@ def packing_bench(workdir: Path) -> dict:
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from flaxformer_lite.data import first_fit_rows
+    from flaxformer_lite.packing import first_fit_rows
 
     (cache,) = (workdir / "data_cache").iterdir()
     in_len = np.diff(np.load(cache / "inputs_offsets.npy"))

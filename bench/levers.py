@@ -61,15 +61,15 @@ sys.path.insert(0, str(HERE))
 import train_step  # noqa: E402  (bench/train_step.py: model, step and batch helpers)
 
 from flaxformer_lite import layers as layers_lib  # noqa: E402
-from flaxformer_lite.config import TransformerConfig  # noqa: E402
-from flaxformer_lite.data import (  # noqa: E402
+from flaxformer_lite.batching import (  # noqa: E402
     batch_by_tokens,
     bucket_boundaries,
-    pack_examples,
     padding_fraction,
     rows_for_length,
 )
+from flaxformer_lite.config import TransformerConfig  # noqa: E402
 from flaxformer_lite.models import EncoderDecoder  # noqa: E402
+from flaxformer_lite.packing import pack_examples  # noqa: E402
 from flaxformer_lite.tokenizer import EOS_ID, PAD_ID  # noqa: E402
 
 RESULTS = HERE / "results"

@@ -16,7 +16,7 @@ is allocated or run. The executable's ``memory_analysis()`` (per chip) and
 The data would decide two sizes; they are set here as WMT14's shared BPE vocabulary gives
 them: 37,000 entries, sources and targets up to 256 tokens. ``dtype="auto"`` is bfloat16, as
 ``train.model_config`` picks on a TPU. A batch is one bucket of ``tokens_per_batch`` (25,000)
-target tokens: ``data.rows_for_length`` rows of the bucket length (96 rows of 256 tokens).
+target tokens: ``batching.rows_for_length`` rows of the bucket length (96 rows of 256 tokens).
 Not run by the tests (libtpu is not a dependency, and a compile takes minutes on 2 cores).
 """
 
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import data, flops, sharding  # noqa: E402
+from flaxformer_lite import batching, flops, sharding  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 VOCAB_SIZE = 37_000  # what the wmt14_base SentencePiece BPE vocabulary gives (shared)
@@ -77,7 +77,7 @@ def compile_step(
     cfg = train.model_config(config, sizes)
     model = train.build_model("translation", cfg)
     schedule, tx = train.make_optimizer(config, cfg.d_model)
-    rows = data.rows_for_length(length, config.tokens_per_batch, config.batch_size_multiple)
+    rows = batching.rows_for_length(length, config.tokens_per_batch, config.batch_size_multiple)
     example = jnp.ones((1, length), jnp.int32)
 
     def init_state():  # as train.py's, on one example row

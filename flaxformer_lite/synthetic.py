@@ -6,14 +6,22 @@
 Token ids follow the project's vocabulary layout (0 pad, 1 EOS, 2 BOS, 3 unknown), symbols from
 4 on. Every batch has the same shape, so the train step compiles once. Batch ``i`` is a pure
 function of (seed, i): the stream's position is one integer, which makes resuming exact.
-Held-out examples are drawn from another seed and removed from training.
+Held-out examples are drawn from another seed and removed from training. :func:`build` makes
+the :class:`~flaxformer_lite.tasks.Task` of a run (``config.task = "synthetic"``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
+
+from flaxformer_lite import paths
+from flaxformer_lite.data import DataError
+from flaxformer_lite.tasks import Task
 
 TASKS = ("reverse", "sort", "add")
 UNK_ID = 3
@@ -91,6 +99,14 @@ class SyntheticTask:
         # Lengths include EOS. Addition: a + b has at most max_len + 1 digits.
         self.input_len = (2 * max_len + 1 if task == "add" else max_len) + 1
         self.target_len = (max_len + 1 if task == "add" else max_len) + 1
+
+    def num_inputs(self) -> int:
+        """How many distinct inputs the task can draw (an exact Python int)."""
+        lengths = range(self.min_len, self.max_len + 1)
+        if self.task == "add":  # a + b, each a number of n digits without a leading zero
+            numbers = sum(10 if n == 1 else 9 * 10 ** (n - 1) for n in lengths)
+            return numbers**2
+        return sum(self.num_symbols**n for n in lengths)
 
     def example(self, rng: np.random.Generator) -> tuple[list[int], list[int]]:
         n = int(rng.integers(self.min_len, self.max_len + 1))
@@ -175,3 +191,83 @@ class SyntheticStream:
 
     def restore(self, state: dict[str, int]) -> None:
         self.index = int(state["index"])
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def held_out_examples(gen: SyntheticTask, num_eval: int, seed: int) -> dict[str, np.ndarray]:
+    """``gen.eval_batch(num_eval, seed)``, checked to leave inputs to train on.
+
+    Raises:
+      DataError: ``num_eval`` is below 1 or holds out every input the task can draw (the
+        training stream, which skips held-out inputs, would never fill a batch).
+    """
+    total = gen.num_inputs()
+    what = (
+        f"the {total} distinct inputs of {gen.task!r} with lengths {gen.min_len}-{gen.max_len} "
+        f"over {gen.num_symbols} symbols"
+    )
+    if not 1 <= num_eval < total:
+        raise DataError(
+            f"config.synthetic.num_eval={num_eval} must be in [1, {total}): {what} minus the "
+            "held-out ones are the training set; lower num_eval or raise "
+            "config.synthetic.max_len / num_symbols"
+        )
+    held_out = gen.eval_batch(num_eval, seed=seed)
+    if len(held_out["inputs"]) < num_eval:
+        raise DataError(
+            f"config.synthetic.num_eval={num_eval}: only {len(held_out['inputs'])} distinct "
+            f"inputs came up in {100 * num_eval} draws from {what}; lower num_eval or raise "
+            "config.synthetic.max_len / num_symbols"
+        )
+    return held_out
+
+
+def build(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
+    """The synthetic :class:`Task`: ``config.synthetic`` (name, min_len, max_len,
+    num_symbols, num_eval) names the problem; exact match of greedy decoding on
+    ``num_eval`` held-out examples scores it. Writes ``vocab.json`` (the symbols) to
+    ``workdir``."""
+    s = config.synthetic
+    gen = SyntheticTask(s.name, min_len=s.min_len, max_len=s.max_len, num_symbols=s.num_symbols)
+    held_out = held_out_examples(gen, s.num_eval, config.seed)
+    stream = SyntheticStream(
+        gen,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        exclude=held_out["inputs"],
+        process_index=process_index,
+        process_count=process_count,
+    )
+    if process_index == 0:  # one writer: the workdir is shared (and an object store limits
+        # how often one object may be rewritten)
+        paths.write_atomic(
+            os.path.join(workdir, "vocab.json"),
+            json.dumps({"task": s.name, "symbols": gen.vocab.symbols}),
+        )
+    rows = config.batch_size
+    evals = []
+    for sl in _chunks(s.num_eval, rows):
+        batch = {k: np.zeros((rows, v.shape[1]), np.int32) for k, v in held_out.items()}
+        for k, v in held_out.items():
+            batch[k][: sl.stop - sl.start] = v[sl]
+        evals.append(batch)
+    return Task(
+        kind="synthetic",
+        train=stream,
+        eval_batches=evals,
+        vocab_size=gen.vocab.vocab_size,
+        target_vocab_size=None,
+        max_len=max(gen.input_len, gen.target_len),
+        decode_inputs=[b["inputs"] for b in evals],
+        decode_references=[b["targets"] for b in evals],
+        detokenize=gen.vocab.decode,
+        source_detokenize=gen.vocab.decode,
+        metric="exact_match",
+        log_lines=[
+            f"synthetic task {s.name!r}: lengths {s.min_len}-{s.max_len}, "
+            f"{s.num_symbols} symbols, {s.num_eval} held-out examples"
+        ],
+    )

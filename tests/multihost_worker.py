@@ -20,7 +20,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from flaxformer_lite import sharding, tasks  # noqa: E402
+from flaxformer_lite import sharding, tasks, workdir_data  # noqa: E402
 from flaxformer_lite.config import TransformerConfig  # noqa: E402
 from flaxformer_lite.generate import generate  # noqa: E402
 from flaxformer_lite.models import EncoderDecoder  # noqa: E402
@@ -74,7 +74,7 @@ def main(out: str, workdir: str, data_dir: str, process_id: int, num_processes: 
     task = tasks.build_task(
         translation_config(data_dir), workdir, process_index=pid, process_count=count
     )
-    tokenizer = tasks.load_tokenizer(workdir)
+    tokenizer = workdir_data.load_tokenizer(workdir)
     train = [task.train.next() for _ in range(3)]
 
     cfg = TransformerConfig(

@@ -16,28 +16,27 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from flaxformer_lite.data import (  # noqa: E402
-    BatchStream,
-    DataStats,
-    EncodedPairs,
+from flaxformer_lite.batch_stream import BatchStream  # noqa: E402
+from flaxformer_lite.batching import (  # noqa: E402
     batch_by_tokens,
     bucket_boundaries,
-    build_translation_data,
     classification_batches,
-    encode_labeled,
-    encode_pairs,
-    first_fit_rows,
     lm_batches,
+    padding_fraction,
+    rows_for_length,
+)
+from flaxformer_lite.data import (  # noqa: E402
+    DataStats,
     load_labeled,
     load_pairs,
     load_text,
     normalize,
-    pack_examples,
-    padding_fraction,
     read_parallel_files,
-    rows_for_length,
 )
+from flaxformer_lite.encoding import EncodedPairs, encode_labeled, encode_pairs  # noqa: E402
+from flaxformer_lite.packing import first_fit_rows, pack_examples  # noqa: E402
 from flaxformer_lite.tokenizer import EOS_ID  # noqa: E402
+from flaxformer_lite.translation_task import build_translation_data  # noqa: E402
 
 
 class DigitTokenizer:
