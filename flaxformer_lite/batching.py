@@ -302,7 +302,7 @@ def classification_batches(
     (their ``label`` is 0), so they drop out of loss and accuracy.
 
     Raises:
-      ValueError: an example has more than ``max_len`` ids (use :func:`encode_labeled`).
+      ValueError: an example has more than ``max_len`` ids (use ``encoding.encode_labeled``).
     """
     order = epoch_rng(seed, epoch).permutation(len(examples)) if shuffle else range(len(examples))
     order = list(order)

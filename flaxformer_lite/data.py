@@ -136,6 +136,21 @@ def _clean_pairs(
     return list(_clean_pairs_iter(pairs, stats))
 
 
+def _has_rows(path: str, data_format: str) -> bool:
+    """Whether a .tsv file holds a line after its header, or a .jsonl file a line at all.
+
+    `datasets` fails on a file without one ('Instruction "data" corresponds to no data!')
+    rather than returning no rows; reads at most the first two non-blank lines.
+    """
+    needed = 2 if data_format == "tsv" else 1
+    with epath.Path(path).open("rb") as f:
+        for line in f:
+            needed -= bool(line.strip())
+            if not needed:
+                return True
+    return False
+
+
 def _load_local_table(
     path: str,
     data_format: str,
@@ -143,16 +158,19 @@ def _load_local_table(
     other_columns: Sequence[str] = (),
     *,
     streaming: bool = False,
-) -> Any:
+) -> Any | None:
     """Loads a local .tsv/.jsonl file with a `datasets` packaged builder (works offline).
 
     ``text_columns`` are read as strings verbatim; all named columns must exist. With
-    ``streaming`` the result is an ``IterableDataset`` read as it is iterated.
+    ``streaming`` the result is an ``IterableDataset`` read as it is iterated. None when the
+    file holds no data row (:func:`_has_rows`).
     """
     import datasets  # Slow to import: only when a table is actually read.
 
     if not epath.Path(path).is_file():  # `datasets` itself reads local and gs:// files
         raise FileNotFoundError(f"data file not found: {path}")
+    if not _has_rows(path, data_format):
+        return None
     kwargs = {"streaming": True} if streaming else {}
     if data_format == "tsv":
         table = datasets.load_dataset(
@@ -290,7 +308,7 @@ def iter_pairs(
             table = _load_local_table(
                 path, data_format, [source_column, target_column], streaming=streaming
             )
-            pairs = _table_rows(table, [source_column, target_column])
+            pairs = () if table is None else _table_rows(table, [source_column, target_column])
         yield from _clean_pairs_iter(pairs, stats)
         return
 
@@ -344,6 +362,8 @@ def load_labeled(
     """
     stats = stats if stats is not None else DataStats()
     table = _load_local_table(path_tsv, "tsv", [text_column], [label_column])
+    if table is None:  # a header and no row
+        return []
     out = []
     for text, label in zip(table[text_column], table[label_column], strict=True):
         stats.num_read += 1

@@ -24,18 +24,24 @@ PROMPT_LEN = 32
 
 
 def check_prompt_fits(config: Any) -> None:
-    """Raises DataError when ``decode_eval`` samples a continuation at each evaluation and
-    the model's length leaves no room for it: the prompt (the first ``PROMPT_LEN`` tokens of
-    a ``config.max_len`` window), BOS and at least one new token."""
+    """Raises DataError when ``config.decode_eval`` samples a continuation at each evaluation
+    and the model's length (``config.model.max_len``, by default ``config.max_len``) leaves no
+    room for it: the prompt (the first ``PROMPT_LEN`` tokens of a ``config.max_len`` window),
+    BOS and at least one new token."""
     if not config.get("decode_eval"):
         return
-    model_max_len = config.get("model", {}).get("max_len") or config.max_len
     prompt_len = min(PROMPT_LEN, config.max_len)
-    if model_max_len < prompt_len + 2:
+    model_max_len = config.get("model", {}).get("max_len")
+    if model_max_len is None:  # the model is as long as the windows: the prompt is PROMPT_LEN
+        field, value, least = "config.max_len", config.max_len, PROMPT_LEN + 2
+    else:
+        field, value, least = "config.model.max_len", model_max_len, prompt_len + 2
+    if value < least:
         raise DataError(
-            f"config.max_len={model_max_len} leaves no room for the sample printed at each "
-            f"evaluation (a {prompt_len}-token prompt, BOS and at least one new token): use "
-            f"config.max_len >= {prompt_len + 2}, or config.decode_eval=False"
+            f"{field}={value} leaves no room for the sample printed at each evaluation (a "
+            f"{min(PROMPT_LEN, value if model_max_len is None else prompt_len)}-token prompt, "
+            f"BOS and at least one new token): use {field} >= {least}, or "
+            "config.decode_eval=False"
         )
 
 

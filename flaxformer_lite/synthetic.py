@@ -146,7 +146,7 @@ class SyntheticStream:
     """Endless training batches `[batch_size, length]`; batch i depends only on (seed, i).
 
     ``exclude`` holds held-out inputs never to train on. Each process takes its own rows of
-    the global batch. Same interface as ``data.BatchStream`` (next / state / restore).
+    the global batch. Same interface as ``batch_stream.BatchStream`` (next / state / restore).
     """
 
     def __init__(

@@ -168,7 +168,7 @@ class Tokenizer:
 
     def decode_lines(self, ids: Iterable[int]) -> str:
         """Text of a language-model stream where EOS separates lines (see
-        ``data.lm_token_stream``): every EOS becomes a newline instead of ending the text.
+        ``encoding.lm_token_stream``): every EOS becomes a newline instead of ending the text.
         PAD and BOS are skipped.
         """
         lines: list[list[int]] = [[]]

@@ -117,8 +117,13 @@ def build_translation_data(
     corpus through ``datasets`` streaming (see :func:`iter_pairs`); process 0 then reads it
     twice when it has to train the vocabulary (once for that, once to tokenize).
 
-    Eval pairs are read and encoded by every process (an eval split is small); they are
+    Eval pairs are read first and encoded by every process (an eval split is small); they are
     always truncated, never dropped, so the eval set is complete.
+
+    Raises:
+      DataError: before anything is written to the workdir, when the eval split, or the
+        training split the vocabulary or the token cache would be built from, has no pair
+        with both sides non-empty, or when ``too_long="drop"`` drops every training pair.
     """
     import jax
 
@@ -214,7 +219,7 @@ def build_translation_data(
             stats=stats,
         )
         if not len(encoded):  # checked before the cache is written: no empty cache is left
-            if not stats.num_kept:
+            if stats.num_read == stats.num_empty_dropped:
                 raise empty_train_split(stats)
             raise DataError(
                 f"no training examples left in "

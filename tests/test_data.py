@@ -747,9 +747,25 @@ def test_build_translation_data_separate_vocab_packing_sharded(tmp_path):
         )
 
 
-def test_importing_data_module_does_not_import_datasets():
-    # `datasets` is slow to import: the module must import it only inside functions.
-    code = "import sys, flaxformer_lite.data; print('datasets' in sys.modules)"
+DATA_MODULES = (
+    "data",
+    "encoding",
+    "batching",
+    "packing",
+    "batch_stream",
+    "workdir_data",
+    "tasks",
+    "synthetic",
+    "translation_task",
+    "lm_task",
+    "classification_task",
+)
+
+
+def test_importing_data_modules_does_not_import_datasets():
+    # `datasets` is slow to import: the modules must import it only inside functions.
+    modules = ", ".join(f"flaxformer_lite.{name}" for name in DATA_MODULES)
+    code = f"import sys, {modules}; print('datasets' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

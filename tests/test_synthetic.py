@@ -50,3 +50,15 @@ def test_vocabulary_round_trip_and_errors():
         SyntheticTask("copy", min_len=1, max_len=2)
     with pytest.raises(ValueError, match="min_len"):
         SyntheticTask("sort", min_len=3, max_len=2)
+
+
+@pytest.mark.parametrize(
+    "name, min_len, max_len, num_symbols",
+    [("reverse", 1, 3, 3), ("sort", 2, 2, 4), ("add", 1, 1, 10)],
+)
+def test_num_inputs_equals_the_distinct_inputs_drawn(name, min_len, max_len, num_symbols):
+    # 2000 draws see every one of the at most 100 inputs (seeded: the same draws every run).
+    gen = SyntheticTask(name, min_len=min_len, max_len=max_len, num_symbols=num_symbols)
+    rng = np.random.default_rng(0)
+    drawn = {tuple(gen.example(rng)[0]) for _ in range(2000)}
+    assert len(drawn) == gen.num_inputs()
