@@ -790,3 +790,52 @@ def test_streaming_jsonl_gives_the_same_data_as_the_text_files(tmp_path):
     assert streamed.stats == text.stats and streamed.stats.num_kept == 199
     assert streamed.eval_pairs == text.eval_pairs
     assert_same_batches(streamed.train.epoch_batches(), text.train.epoch_batches())
+
+
+def test_build_task_lm_windows_and_classification_rows(tmp_path):
+    from flaxformer_lite import tasks
+    from flaxformer_lite.tokenizer import Tokenizer
+
+    rng = random.Random(0)
+    text = [" ".join(rng.choice(EN) for _ in range(rng.randint(2, 6))) for _ in range(50)]
+    write(tmp_path / "text.txt", "\n".join(text) + "\n")
+    lm = tasks.build_task(
+        ml_collections.ConfigDict(
+            dict(task="lm", dataset=None, train_split="train", data_file=str(tmp_path / "text.txt"),
+                 eval_fraction=0.2, eval_batches=0, vocab_size=40, spm_model_type="char",
+                 max_len=8, batch_size=2, seed=0, decode_eval=False, model={})
+        ),
+        str(tmp_path / "lm"),
+    )  # fmt: skip
+    assert lm.kind == "lm" and lm.train.next()["targets"].shape == (2, 8)
+    # Eval windows: the held-out last 10 lines, each line's ids then EOS, as one stream cut
+    # into 8-token windows from one offset in [0, 8) (then shuffled).
+    tokenizer = Tokenizer.load(str(tmp_path / "lm" / "spm_lm.model"))
+    stream = [i for line in text[40:] for i in (*tokenizer.encode(line), EOS_ID)]
+    windows = sorted(tuple(w) for b in lm.eval_batches for w in b["targets"].tolist() if any(w))
+    assert lm.vocab_size == tokenizer.vocab_size and len(windows[0]) == 8
+    cuts = [
+        sorted(tuple(stream[s : s + 8]) for s in range(offset, len(stream) - 7, 8))
+        for offset in range(8)
+    ]
+    assert windows in cuts
+
+    data = tmp_path / "sst"
+    data.mkdir()
+    rows = [(text[i], i % 2) for i in range(13)]
+    for name, part in (("train", rows[:10]), ("dev", rows[10:])):
+        write(data / f"{name}.tsv", "sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in part))
+    cls = tasks.build_task(
+        ml_collections.ConfigDict(
+            dict(task="classification", dataset=None, dataset_config=None, data_dir=str(data),
+                 train_split="train", eval_split="validation", local_splits={"validation": "dev"},
+                 text_column="sentence", label_column="label", vocab_size=40,
+                 spm_model_type="char", max_len=64, batch_size=4, seed=0)
+        ),
+        str(tmp_path / "cls"),
+    )  # fmt: skip
+    (dev,) = cls.eval_batches  # 3 rows and one padding row, in file order
+    assert dev["weights"].tolist() == [1, 1, 1, 0] and dev["label"].tolist() == [0, 1, 0, 0]
+    tokenizer = Tokenizer.load(str(tmp_path / "cls" / "spm_cls.model"))
+    assert tokenizer.decode(dev["inputs"][1]) == text[11]
+    assert cls.train.next()["inputs"].shape == (4, 64)
