@@ -44,18 +44,20 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
     """The classification :class:`Task`. Both splits are read, and checked to hold a row with
     text, before the vocabulary is trained."""
     stats, eval_stats = DataStats(), DataStats()
-    train = _load(config, config.train_split, stats)
-    dev = _load(config, config.eval_split, eval_stats)
-    for name, field, rows, split_stats in (
-        ("training", "train_split", train, stats),
-        ("eval", "eval_split", dev, eval_stats),
+    splits = []
+    for name, field, split_stats in (
+        ("training", "train_split", stats),
+        ("eval", "eval_split", eval_stats),
     ):
+        rows = _load(config, config[field], split_stats)
         if not rows:
             raise DataError(
                 f"empty {name} split: {_source(config, config[field])} has no row with text in "
                 f"column {config.text_column!r} ({split_stats.summary()}); config.{field} must "
                 "name a split with at least one"
             )
+        splits.append(rows)
+    train, dev = splits
     tokenizer = vocabulary(
         os.path.join(workdir, "spm_cls.model"), lambda: (t for t, _ in train), config
     )

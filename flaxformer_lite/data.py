@@ -165,12 +165,12 @@ def _load_local_table(
     ``streaming`` the result is an ``IterableDataset`` read as it is iterated. None when the
     file holds no data row (:func:`_has_rows`).
     """
-    import datasets  # Slow to import: only when a table is actually read.
-
     if not epath.Path(path).is_file():  # `datasets` itself reads local and gs:// files
         raise FileNotFoundError(f"data file not found: {path}")
     if not _has_rows(path, data_format):
         return None
+    import datasets  # Slow to import: only when a table is actually read.
+
     kwargs = {"streaming": True} if streaming else {}
     if data_format == "tsv":
         table = datasets.load_dataset(
