@@ -195,14 +195,14 @@ def check_keys(config: Any) -> None:
     """Rejects keys no part of a ``config.task`` run reads, and missing required keys."""
     task = config.task
     known = (*COMMON_KEYS, *TASK_KEYS[task])
-    _reject_unknown("config", config.keys(), known, f"task {task!r}")
+    _reject_unknown("config", config.keys(), known, f"a config key of task {task!r}")
     for key in (*COMMON_KEYS, *REQUIRED_TASK_KEYS[task]):
         if key not in config:
             raise ConfigError(f"config.{key} is missing; task {task!r} needs it")
     model = config.model
     if not isinstance(model, Mapping) and not hasattr(model, "keys"):
         raise ConfigError(f"config.model must be a dict of TransformerConfig fields; got {model!r}")
-    _reject_unknown("config.model", model.keys(), MODEL_KEYS, "TransformerConfig")
+    _reject_unknown("config.model", model.keys(), MODEL_KEYS, "a TransformerConfig field")
     for key in DATA_MODEL_KEYS:
         if key in model:
             raise ConfigError(
@@ -210,19 +210,20 @@ def check_keys(config: Any) -> None:
                 f"(config.vocab_size sets the size of a trained vocabulary)"
             )
     if task == "synthetic":
-        _reject_unknown("config.synthetic", config.synthetic.keys(), SYNTHETIC_KEYS, "synthetic")
+        what = "a synthetic task setting"
+        _reject_unknown("config.synthetic", config.synthetic.keys(), SYNTHETIC_KEYS, what)
         for key in SYNTHETIC_KEYS:
             if key not in config.synthetic:
                 raise ConfigError(f"config.synthetic.{key} is missing")
 
 
-def _reject_unknown(prefix: str, keys: Any, known: Sequence[str], owner: str) -> None:
+def _reject_unknown(prefix: str, keys: Any, known: Sequence[str], what: str) -> None:
     for key in sorted(keys):
         if key in known:
             continue
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(sorted(known))}"
-        raise ConfigError(f"{prefix}.{key} is not a key of a {owner} run; {hint}")
+        raise ConfigError(f"{prefix}.{key} is not {what}; {hint}")
 
 
 # ----------------------------------------------------------------------------- values
@@ -508,13 +509,15 @@ def check_resume(config: Any, workdir: str) -> None:
 # ----------------------------------------------------------------------------- CLI flags
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parser, with a misspelt ``--config.KEY=...`` override reported as one line
-    (``error: ...``, exit status 2) instead of ml_collections' traceback."""
+def parse_flags(argv: list[str], flag_values: Any = None) -> list[str]:
+    """absl's flag parser (of ``flag_values``; default: absl's global flags, as ``app.run``),
+    with a misspelt ``--config.KEY=...`` override reported as one line (``error: ...``, exit
+    status 2) instead of ml_collections' traceback."""
     from absl import app
 
+    parse = app.parse_flags_with_usage if flag_values is None else flag_values
     try:
-        return app.parse_flags_with_usage(argv)
+        return parse(argv)
     except (AttributeError, KeyError) as e:
         text = str(e).replace("\\n", " ").replace("\\'", "'")
         match = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', text)
