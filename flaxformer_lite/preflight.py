@@ -289,15 +289,16 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
     _int_at_least(config, "checkpoint_every", 1)
     _int_at_least(config, "keep_checkpoints", 1)
     accum = _int_at_least(config, "grad_accum_steps", 1)
-    _check_mesh(config.mesh_shape, device_count)
+    mesh = _check_mesh(config.mesh_shape, device_count)
     _check_allow_changes(config)
 
-    max_len = None
     if task == "synthetic":
         max_len, vocab_size = _check_synthetic(config)
     else:
         max_len = _int_at_least(config, "max_len", 1)
         vocab_size = _int_at_least(config, "vocab_size", 1)
+    # The rows of every global batch are a multiple of `rows`: split into `accum` micro-batches
+    # and over the data x fsdp devices.
     if task == "translation":
         tokens = _int_at_least(config, "tokens_per_batch", 1)
         multiple = _int_at_least(config, "batch_size_multiple", 1)
@@ -305,24 +306,29 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
             from flaxformer_lite.data import rows_for_length
 
             rows = rows_for_length(max_len, tokens, multiple)
-            where = f"the {rows} rows of a packed batch (tokens_per_batch // max_len)"
+            subject = f"the {rows} rows of a packed batch (config.tokens_per_batch // max_len)"
         else:
             rows = multiple
-            where = (
-                f"batch_size_multiple ({multiple}), of which every bucket's row count is a multiple"
-            )
+            subject = f"config.batch_size_multiple ({rows}; every bucket's rows are a multiple)"
     else:
         rows = _int_at_least(config, "batch_size", 1)
-        where = f"batch_size ({rows})"
+        subject = f"config.batch_size ({rows})"
     if task == "lm":
         _number_in(config, "eval_fraction", 0.0, 1.0, "(0, 1)", open_low=True)
         _int_at_least(config, "eval_batches", 0, " (0 = all)")
     if rows % accum:
-        raise ConfigError(f"config.grad_accum_steps ({accum}) must divide {where}")
+        raise ConfigError(f"config.grad_accum_steps ({accum}) must divide {subject}")
+    split = mesh[0] * mesh[1]
+    if rows % split:
+        raise ConfigError(
+            f"{subject} must be a multiple of {split}, the devices a batch is split over "
+            f"(data x fsdp of config.mesh_shape {mesh})"
+        )
     _check_model(config, vocab_size, max_len)
 
 
-def _check_mesh(shape: Any, device_count: int | None) -> None:
+def _check_mesh(shape: Any, device_count: int | None) -> tuple[int, ...]:
+    """The (data, fsdp, tensor) sizes ``shape`` resolves to on ``device_count`` devices."""
     from flaxformer_lite.sharding import mesh_shape
 
     if device_count is None:
@@ -330,11 +336,9 @@ def _check_mesh(shape: Any, device_count: int | None) -> None:
 
         device_count = jax.device_count()
     try:
-        mesh_shape(tuple(shape), device_count)
+        return mesh_shape(tuple(shape), device_count)
     except (TypeError, ValueError) as e:
-        raise ConfigError(
-            f"config.mesh_shape {tuple(shape)!r} does not fit this run: {e}"
-        ) from None
+        raise ConfigError(f"config.mesh_shape {shape!r} does not fit this run: {e}") from None
 
 
 def _check_synthetic(config: Any) -> tuple[int, int]:

@@ -134,7 +134,11 @@ def _set(config, key: str, value):
         ),
         ("label_smoothing", -0.1, r"config\.label_smoothing must be a number in \[0, 1\)"),
         ("grad_accum_steps", 0, r"config\.grad_accum_steps must be a positive integer; got 0"),
-        ("grad_accum_steps", 3, r"config\.grad_accum_steps \(3\) must divide batch_size \(16\)"),
+        (
+            "grad_accum_steps",
+            3,
+            r"config\.grad_accum_steps \(3\) must divide config\.batch_size \(16\)$",
+        ),
         ("log_every", 0, r"config\.log_every must be a positive integer; got 0"),
         ("checkpoint_every", 0, r"config\.checkpoint_every must be a positive integer; got 0"),
         ("eval_every", -1, r"config\.eval_every must be an integer >= 0 \(0 = evaluate only"),
@@ -208,14 +212,31 @@ def test_every_shipped_config_passes_and_every_key_is_known():
 def test_translation_accumulation_must_divide_the_rows():
     config = load_config("multi30k")  # packed rows of 64 tokens, 2048 per batch: 32 rows
     config.grad_accum_steps = 5
-    with pytest.raises(ConfigError, match=r"grad_accum_steps \(5\) must divide the 32 rows"):
+    with pytest.raises(
+        ConfigError, match=r"grad_accum_steps \(5\) must divide the 32 rows of a packed"
+    ):
         preflight.check_config(config, device_count=1)
     config.grad_accum_steps = 4
     preflight.check_config(config, device_count=1)
     config.packing = False  # length buckets: rows are multiples of batch_size_multiple (8)
     config.grad_accum_steps = 16
-    with pytest.raises(ConfigError, match=r"must divide batch_size_multiple \(8\)"):
+    with pytest.raises(
+        ConfigError, match=r"must divide config\.batch_size_multiple \(8; every bucket"
+    ):
         preflight.check_config(config, device_count=1)
+
+
+def test_batch_rows_must_split_over_the_data_devices():
+    """Without devices to spare: the device count is an argument of the check."""
+    config = tiny_config(batch_size=6)
+    with pytest.raises(ConfigError, match=r"^config\.batch_size \(6\) must be a multiple of 4, "
+                       r"the devices a batch is split over \(data x fsdp of config\.mesh_shape "
+                       r"\(4, 1, 1\)\)$"):  # fmt: skip
+        preflight.check_config(config, device_count=4)
+    config.mesh_shape = (2, 1, 2)  # 2-way data x 2-way tensor: 6 rows split in 2
+    preflight.check_config(config, device_count=4)
+    with pytest.raises(ConfigError, match=r"config\.mesh_shape \(2, 1, 2\) does not fit .* 8"):
+        preflight.check_config(config, device_count=8)
 
 
 # ----------------------------------------------------------------------------- resume
