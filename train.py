@@ -28,7 +28,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flaxformer_lite import flops, lm_task, losses, optim, paths, sharding, tasks
+from flaxformer_lite import data, flops, lm_task, losses, optim, paths, preflight, sharding, tasks
 from flaxformer_lite.checkpoints import Checkpointer
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import continue_prompt, generate
@@ -362,8 +362,10 @@ def train_and_evaluate(
 
     ``stop_at`` ends the run after that step with a checkpoint, as a preemption would (tests
     and schedulers use it); a later call on the same workdir continues. Both, and SIGTERM
-    (see ``Preemption``), return ``{}`` once the checkpoint is written.
+    (see ``Preemption``), return ``{}`` once the checkpoint is written. A bad config or
+    workdir raises ``preflight.ConfigError`` before anything is read, written or compiled.
     """
+    preflight.check_run(config, workdir)
     workdir = str(paths.resolve(workdir))  # a local path (made absolute) or a gs:// URI
     paths.makedirs(workdir)
     is_main = jax.process_index() == 0
@@ -558,7 +560,10 @@ def main(argv: list[str]) -> None:
         _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, auto=_MULTIHOST.value
     )
     config = _CONFIG.value
-    metrics = train_and_evaluate(config, _WORKDIR.value)
+    try:
+        metrics = train_and_evaluate(config, _WORKDIR.value)
+    except (preflight.ConfigError, data.DataError) as e:  # one line, no traceback
+        raise SystemExit(f"error: {e}") from None
     if metrics and jax.process_index() == 0:  # empty: preempted, checkpoint written, exit 0
         print("final: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
 
@@ -578,4 +583,4 @@ if __name__ == "__main__":
     _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
     _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)
+    app.run(main, flags_parser=preflight.parse_flags)

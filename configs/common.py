@@ -28,6 +28,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.decode_eval = True  # exact match / BLEU by greedy decoding at each evaluation
 
+    # Resuming a workdir: fields (comma-separated, as a resume error names them) that may differ
+    # from the run's saved config.json besides the always-safe ones (preflight.SAFE_CHANGES).
+    c.allow_changes = ""
+
     # Devices: (data, fsdp, tensor); -1 fills the remaining devices.
     c.mesh_shape = (-1, 1, 1)
 

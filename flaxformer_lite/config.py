@@ -128,14 +128,23 @@ class TransformerConfig:
                 f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
-        for name in ("scan_layers", "fused_qkv"):
+        bools = "share_embeddings tie_output_embedding use_bias remat scan_layers fused_qkv"
+        for name in bools.split():
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"TransformerConfig.{name} must be a bool; got {value!r}")
+        for name in ("dropout_rate", "attention_dropout_rate", "layer_norm_epsilon"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"TransformerConfig.{name} must be a number; got {value!r}")
         for name in ("dropout_rate", "attention_dropout_rate"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1); got {value!r}")
+        for name in ("pad_id", "bos_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"TransformerConfig.{name} must be an integer; got {value!r}")
         if self.layer_norm_epsilon <= 0:
             raise ValueError(
                 f"TransformerConfig.layer_norm_epsilon must be > 0; got {self.layer_norm_epsilon}"
