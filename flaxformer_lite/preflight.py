@@ -303,7 +303,7 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
         tokens = _int_at_least(config, "tokens_per_batch", 1)
         multiple = _int_at_least(config, "batch_size_multiple", 1)
         if config.packing:
-            from flaxformer_lite.data import rows_for_length
+            from flaxformer_lite.batching import rows_for_length
 
             rows = rows_for_length(max_len, tokens, multiple)
             subject = f"the {rows} rows of a packed batch (config.tokens_per_batch // max_len)"
