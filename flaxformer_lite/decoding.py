@@ -32,9 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-PAD_ID = 0
-EOS_ID = 1
-BOS_ID = 2
+from flaxformer_lite.special_ids import BOS_ID, EOS_ID, PAD_ID  # re-exported: the defaults
 
 PyTree = Any
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]

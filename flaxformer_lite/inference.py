@@ -37,9 +37,9 @@ from flaxformer_lite import paths, sharding
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import METHODS, default_mesh, generate, place_params
 from flaxformer_lite.models import EncoderDecoder, unrolled
+from flaxformer_lite.special_ids import EOS_ID
 from flaxformer_lite.synthetic import SymbolVocabulary  # noqa: E402  (re-exported)
 
-PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 # Source lengths are padded up to a multiple of this: few shapes, little padding.
 BUCKET = 16
 SEQ2SEQ_TASKS = ("synthetic", "translation")
