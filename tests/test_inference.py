@@ -114,6 +114,53 @@ def test_translate_keeps_order_and_empty_lines(translator):
     assert alone == outputs
 
 
+# A random model whose special ids (PAD, EOS, BOS, UNK) get logit 0 while the scaled-up symbol
+# logits reach far above it: it never ends a sentence, so every sentence runs into its decode
+# limit and the limit shows in the output length.
+SHORT = "314"  # 3 symbols + EOS: its own limit is int(4 * 1.5) + 10 = 16 tokens
+LONG = "271828182845904523536028747135"  # 30 symbols + EOS: limit min(48, 56) = 48
+
+
+@pytest.fixture(scope="module")
+def endless_translator() -> Translator:
+    from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.special_ids import SPECIAL_PIECES
+
+    config = TransformerConfig(
+        vocab_size=14,
+        d_model=16,
+        num_heads=2,
+        d_ff=32,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dropout_rate=0.0,
+        max_len=48,
+        tie_output_embedding=False,
+    )
+    rng = np.random.default_rng(0)  # numpy draws: no compile for random weights
+    params = jax.tree_util.tree_map(
+        lambda s: rng.normal(0.0, 0.3, s.shape).astype(s.dtype),
+        Translator.abstract_params(config),
+    )
+    kernel = params["decoder"]["logits"]["kernel"] * 8.0
+    kernel[:, : len(SPECIAL_PIECES)] = 0.0
+    params["decoder"]["logits"]["kernel"] = kernel
+    return Translator(params, config, SymbolVocabulary("0123456789"), beam_size=2)
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_a_sentence_translates_the_same_alone_and_beside_a_long_one(endless_translator, method):
+    alone = endless_translator.translate([SHORT], method=method)[0]
+    together = endless_translator.translate([LONG, SHORT], method=method)
+    assert together[1] == alone
+    # Each sentence stops at its own limit (1.5 x its tokens + 10), not at one derived from
+    # the longest sentence of its batch (48 here) or from its padded length (34 alone).
+    assert len(alone) == int((len(SHORT) + 1) * 1.5) + 10
+    assert len(together[0]) == min(48, int((len(LONG) + 1) * 1.5) + 10)
+    if method == "greedy":  # an explicit max_len is every sentence's limit
+        assert [len(t) for t in endless_translator.translate([LONG, SHORT], max_len=20)] == [20] * 2
+
+
 def test_sampling_is_reproducible_by_seed(translator):
     lines = [line for line in LINES if line.strip()]
     first = translator.translate(lines, method="sample", temperature=2.0, seed=5)
