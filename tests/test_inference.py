@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -286,12 +287,18 @@ def test_evaluate_cli_prints_bleu_with_signature(workdir, translator, tmp_path, 
     assert "case:lc" in out
     outputs = translator.translate(sentences)
     assert hyps.read_text().split("\n")[:-1] == outputs
-    # The JSON record: the printed scores, recomputed here with sacrebleu on the same text.
+    # The JSON record: the printed scores, recomputed here with sacrebleu itself (not through
+    # evaluate.bleu_report) on the same text.
+    import sacrebleu
+
     record = json.loads((tmp_path / "report.json").read_text())
-    expected = evaluate.bleu_report(outputs, [s.replace(" ", "")[::-1] for s in sentences])
-    assert record["bleu"] == round(expected["bleu"].score, 2)
-    assert record["bleu_lowercase"] == round(expected["bleu_lowercase"].score, 2)
-    assert record["signature"] == expected["signature"]
+    refs = [[s.replace(" ", "")[::-1] for s in sentences]]
+    cased = sacrebleu.corpus_bleu(outputs, refs)
+    lower = sacrebleu.corpus_bleu(outputs, refs, lowercase=True)
+    assert record["bleu"] == round(cased.score, 2)
+    assert record["bleu_lowercase"] == round(lower.score, 2)
+    assert f"BLEU = {record['bleu']:.2f} " in out
+    assert record["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|")
     assert "case:lc" in record["signature_lowercase"]
     assert (record["beam_size"], record["alpha"], record["method"]) == (
         translator.beam_size,
@@ -299,6 +306,26 @@ def test_evaluate_cli_prints_bleu_with_signature(workdir, translator, tmp_path, 
         "beam",
     )
     assert record["num_sentences"] == len(sentences) and str(workdir) in record["checkpoint"]
+
+
+def test_bleu_report_equals_hand_computed_bleu():
+    # Single-letter words: sacrebleu's 13a tokenizer keeps them as they are. Matched n-grams
+    # over the corpus (cased):  1-grams 4+3+4 of 5+4+4, 2-grams 3+2+3 of 4+3+3,
+    # 3-grams 2+1+2 of 3+2+2, 4-grams 1+0+1 of 2+1+1; hypothesis length = reference length, so
+    # no brevity penalty. Lowercased, "X y z w" matches its reference entirely.
+    hyps = ["a b c d e", "X y z w", "p q r s"]
+    refs = ["a b c d f", "x y z w", "p q r s"]
+    report = evaluate.bleu_report(hyps, refs)
+    cased = 100 * (11 / 13 * 8 / 10 * 5 / 7 * 2 / 4) ** 0.25
+    lower = 100 * (12 / 13 * 9 / 10 * 6 / 7 * 3 / 4) ** 0.25
+    assert report["bleu"].score == pytest.approx(cased, abs=1e-9)  # 70.12
+    assert report["bleu_lowercase"].score == pytest.approx(lower, abs=1e-9)  # 85.49
+    assert report["exact_match"] == pytest.approx(1 / 3) and report["num_sentences"] == 3
+    assert "case:mixed" in report["signature"] and "case:lc" in report["signature_lowercase"]
+    # Every n-gram matches but the hypotheses are 8 words for 10: BLEU = brevity penalty
+    # exp(1 - 10 / 8).
+    short = evaluate.bleu_report(["a b c d", "x y z w"], ["a b c d e f", "x y z w"])
+    assert short["bleu"].score == pytest.approx(100 * math.exp(1 - 10 / 8), abs=1e-9)  # 77.88
 
 
 def test_attention_maps_cli_writes_pngs(workdir, tmp_path, capsys):
