@@ -739,6 +739,40 @@ def test_beam_and_greedy_bad_arguments(kwargs, name):
         expand_to_beams({"a": jnp.zeros((2,))}, 0)
 
 
+def test_special_ids_are_defined_in_one_place():
+    """No module assigns PAD_ID / EOS_ID / BOS_ID / UNK_ID but special_ids; the other
+    holders of the ids (config defaults, tokenizer, synthetic vocabulary) agree with it."""
+    import ast
+    from pathlib import Path
+
+    from flaxformer_lite import special_ids, synthetic, tokenizer
+    from flaxformer_lite.config import TransformerConfig
+
+    names = {"PAD_ID", "EOS_ID", "BOS_ID", "UNK_ID"}
+    root = Path(__file__).resolve().parents[1]
+    sources = [
+        *(root / "flaxformer_lite").glob("*.py"),
+        root / "train.py",
+        *root.glob("bench/*.py"),
+    ]
+    defined = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                elts = target.elts if isinstance(target, ast.Tuple) else [target]
+                defined += [(path.name, e.id) for e in elts if getattr(e, "id", None) in names]
+    assert sorted(defined) == sorted(("special_ids.py", n) for n in names), defined
+    config = TransformerConfig()
+    assert (config.pad_id, config.bos_id) == (special_ids.PAD_ID, special_ids.BOS_ID)
+    for module in (decoding, tokenizer):
+        assert (module.PAD_ID, module.EOS_ID, module.BOS_ID) == (PAD_ID, EOS_ID, BOS_ID)
+    assert tokenizer.UNK_ID == synthetic.UNK_ID == special_ids.UNK_ID
+    assert synthetic.SymbolVocabulary("ab").id_to_piece(range(4)) == list(
+        special_ids.SPECIAL_PIECES
+    )
+
+
 def test_public_constants():
     assert (decoding.PAD_ID, decoding.EOS_ID, decoding.BOS_ID) == (0, 1, 2)
     assert all(hasattr(decoding, name) for name in decoding.__all__)
