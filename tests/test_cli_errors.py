@@ -210,3 +210,31 @@ def test_translator_max_len_beyond_the_model_positions(no_work):
         translator.translate(["1 2 3"], max_len=13)
     with pytest.raises(ValueError, match=r"^max_len=13 "):
         translator.attention("1 2 3", max_len=13)
+
+
+# ----------------------------------------------------------------------------- gs:// paths
+
+
+def test_bucket_paths_are_checked_like_local_ones(gcs, no_work, capsys):
+    from etils import epath
+
+    epath.Path("gs://bucket/cli/src.txt").write_text("1 2 3\n")
+    src, hyp = "gs://bucket/cli/src.txt", "gs://bucket/cli/new/hyp.txt"
+    # A readable object, and an output under a "folder" that has no object yet: both fine
+    # (object stores create folders with their objects).
+    args = translate.parse_args(["--workdir", "run", "--input", src, "--output", hyp])
+    assert (args.input, args.output) == (src, hyp)
+    line = error_line(
+        translate.main, ["--workdir", "run", "--input", "gs://bucket/cli/no.txt"], capsys
+    )
+    assert line.startswith("argument --input: gs://bucket/cli/no.txt does not exist")
+    line = error_line(translate.main, ["--workdir", "run", "--input", "gs://bucket/cli"], capsys)
+    assert line.startswith("argument --input: gs://bucket/cli is a folder")
+    argv = ["--workdir", "run", "--input", src, "--output", "gs://bucket/cli"]
+    assert error_line(translate.main, argv, capsys).startswith(
+        "argument --output: gs://bucket/cli is a folder"
+    )
+    argv = ["--workdir", "run", "--text", "1", "--out", src]
+    assert error_line(attention_maps.main, argv, capsys).startswith(
+        f"argument --out: {src} is a file"
+    )
