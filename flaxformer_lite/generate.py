@@ -308,22 +308,41 @@ def check_decode_len(config: TransformerConfig, max_len: Any, prompt_len: int | 
     return int(max_len)
 
 
-def _check_row_max_len(row_max_len: Any, rows: int, max_len: int) -> np.ndarray | None:
-    """``row_max_len`` as host int32 ``[rows]`` with every value in ``[1, max_len]``."""
+def _place_row_max_len(row_max_len: Any, rows: int, padded: int, mesh: Mesh, max_len: int):
+    """``row_max_len`` (ints `[rows]`) as a `[padded]` int32 global array split like the
+    input rows, padded as :func:`place_rows` pads them (copies of row 0's limit).
+
+    Host values must lie in ``[1, max_len]``. A multi-process global array (e.g. from
+    ``sharding.global_rows_with_ids``, its rows following the inputs') is taken as it is:
+    its values are clipped to that range inside the search.
+    """
     if row_max_len is None:
         return None
-    limits = np.asarray(row_max_len)
-    if limits.shape != (rows,) or not np.issubdtype(limits.dtype, np.integer):
+    shape, dtype = getattr(row_max_len, "shape", None), getattr(row_max_len, "dtype", None)
+    if shape is None:
+        row_max_len = np.asarray(row_max_len)
+        shape, dtype = row_max_len.shape, row_max_len.dtype
+    if tuple(shape) != (rows,) or not np.issubdtype(dtype, np.integer):
         raise ValueError(
             f"row_max_len must be ints [batch] = ({rows},), one limit per input row; got "
-            f"{limits.dtype} {limits.shape}"
+            f"{dtype} {tuple(shape)}"
         )
+    target = sharding.batch_sharding(mesh)
+    if isinstance(row_max_len, jax.Array) and not row_max_len.is_fully_addressable:
+        if padded != rows:
+            raise ValueError(
+                f"row_max_len: a multi-process array of {rows} rows cannot be padded to the "
+                f"{padded} rows of the inputs: give a multiple of the data x fsdp devices"
+            )
+        return jax.device_put(row_max_len.astype(jnp.int32), target)
+    limits = np.asarray(row_max_len)
     if rows and not (limits.min() >= 1 and limits.max() <= max_len):
         raise ValueError(
             f"row_max_len values must be in [1, max_len={max_len}]; got {limits.min()} .. "
             f"{limits.max()}"
         )
-    return limits.astype(np.int32)
+    host = np.concatenate([limits, np.repeat(limits[:1], padded - rows)]).astype(np.int32)
+    return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
 
 
 # ----------------------------------------------------------------------------- jitted calls
@@ -481,10 +500,11 @@ def generate(
         (temperature, top-k, top-p; needs ``rng``).
       max_len: tokens to generate at most (EOS included), at most ``config.max_len`` (the
         decoder's positions); None = ``config.max_len``.
-      row_max_len: optional host ints `[batch]`, each in ``[1, max_len]``: row ``b``
-        generates at most ``row_max_len[b]`` tokens (PAD after them), so its output does not
-        depend on the limits of the other rows; ``max_len`` is then the output width. A
-        traced argument: other limits do not compile again.
+      row_max_len: optional ints `[batch]`, each in ``[1, max_len]``: row ``b`` generates
+        at most ``row_max_len[b]`` tokens (PAD after them), so its output does not depend on
+        the limits of the other rows; ``max_len`` is then the output width. Host values, or
+        a global array whose rows follow those of ``inputs`` (multi-process). A traced
+        argument: other limits do not compile again.
 
     Returns:
       tokens int32 `[batch, max_len]` (EOS-terminated, PAD after EOS, no BOS) and scores
@@ -501,13 +521,8 @@ def generate(
     mesh = default_mesh() if mesh is None else mesh
     if not hasattr(inputs, "shape"):  # nested lists
         inputs = np.asarray(inputs, np.int32)
-    limits = _check_row_max_len(row_max_len, int(inputs.shape[0]) if inputs.ndim else 0, max_len)
     inputs, rows = place_rows(inputs, mesh)
-    if limits is not None:  # padded as place_rows padded the inputs: copies of row 0's limit
-        host = np.concatenate([limits, np.repeat(limits[:1], inputs.shape[0] - rows)])
-        limits = jax.make_array_from_callback(
-            host.shape, sharding.batch_sharding(mesh), lambda index: host[index]
-        )
+    limits = _place_row_max_len(row_max_len, rows, inputs.shape[0], mesh, max_len)
     return generate_jit(
         place_params(params, EncoderDecoder, config, mesh),
         config,

@@ -162,6 +162,33 @@ def test_a_sentence_translates_the_same_alone_and_beside_a_long_one(endless_tran
         assert [len(t) for t in endless_translator.translate([LONG, SHORT], max_len=20)] == [20] * 2
 
 
+def test_bleu_evaluation_in_training_decodes_each_source_to_its_own_limit(endless_translator):
+    from types import SimpleNamespace
+
+    from flaxformer_lite.generate import default_mesh
+
+    vocab, config = endless_translator.source_vocab, endless_translator.config
+
+    def hypotheses(*sources: str) -> list[str]:
+        ids = [[*vocab.encode(text), 1] for text in sources]  # EOS-terminated
+        inputs = np.zeros((len(ids), max(map(len, ids))), np.int32)
+        for row, x in enumerate(ids):
+            inputs[row, : len(x)] = x
+        task = SimpleNamespace(
+            metric="bleu",
+            decode_inputs=[inputs],
+            decode_references=[list(sources)],
+            detokenize=vocab.decode,
+            source_detokenize=vocab.decode,
+        )
+        _, examples = train.decode_metric(task, endless_translator.params, config, default_mesh())
+        return [hyp for _, hyp, _ in examples]
+
+    alone = hypotheses(SHORT)[0]
+    assert len(alone) == int((len(SHORT) + 1) * 1.5) + 10
+    assert hypotheses(SHORT, LONG)[0] == alone
+
+
 def test_sampling_is_reproducible_by_seed(translator):
     lines = [line for line in LINES if line.strip()]
     first = translator.translate(lines, method="sample", temperature=2.0, seed=5)
