@@ -224,16 +224,25 @@ def batch_train_flops(kind: str, cfg: TransformerConfig, batch) -> float:
 # ----------------------------------------------------------------------------- decoding eval
 
 
-def greedy_decode_in_order(params, cfg: TransformerConfig, inputs, mesh, max_len: int):
+def greedy_decode_in_order(
+    params, cfg: TransformerConfig, inputs, mesh, max_len: int, row_max_len=None
+):
     """Greedy tokens ``[rows, max_len]`` of the source rows ``inputs`` ``[rows, len]``, in
-    the order of ``inputs``, on every process.
+    the order of ``inputs``, on every process; row ``i`` stops at ``row_max_len[i]`` tokens
+    when given (ints ``[rows]``).
 
     Each process feeds its rows with their global index (``sharding.global_rows_with_ids``);
-    the index travels with the row through decoding and the gather, so the result is in
-    reference order for any device-to-process layout of the mesh.
+    the index (and the row's limit) travels with the row through decoding and the gather, so
+    the result is in reference order for any device-to-process layout of the mesh.
     """
-    batch = sharding.global_rows_with_ids({"x": np.asarray(inputs)}, mesh)
-    tokens, _ = generate(params, cfg, batch["x"], mesh=mesh, method="greedy", max_len=max_len)
+    rows = {"x": np.asarray(inputs)}
+    if row_max_len is not None:
+        rows["limit"] = np.asarray(row_max_len, np.int32)
+    batch = sharding.global_rows_with_ids(rows, mesh)
+    tokens, _ = generate(
+        params, cfg, batch["x"], mesh=mesh, method="greedy", max_len=max_len,
+        row_max_len=batch.get("limit"),
+    )  # fmt: skip
     return sharding.gather_in_row_order(tokens, batch[sharding.ROW_ID])
 
 
@@ -245,11 +254,14 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dic
     """
     hyps, refs, examples = [], [], []
     for inputs, references in zip(task.decode_inputs, task.decode_references, strict=True):
+        limits = None
         if task.metric == "exact_match":
             max_len = references.shape[1]
-        else:
+        else:  # as the Translator: each source's own 1.5 x length + 10, not its batch's
             max_len = min(cfg.max_len, int(inputs.shape[1] * 1.5) + 10)
-        tokens = greedy_decode_in_order(params, cfg, inputs, mesh, max_len)
+            lengths = np.count_nonzero(np.asarray(inputs) != cfg.pad_id, axis=1)
+            limits = np.clip(lengths * 3 // 2 + 10, 1, max_len)
+        tokens = greedy_decode_in_order(params, cfg, inputs, mesh, max_len, limits)
         for row in range(tokens.shape[0]):
             if task.metric == "exact_match":
                 if not references[row].any():

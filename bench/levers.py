@@ -70,7 +70,7 @@ from flaxformer_lite.batching import (  # noqa: E402
 from flaxformer_lite.config import TransformerConfig  # noqa: E402
 from flaxformer_lite.models import EncoderDecoder  # noqa: E402
 from flaxformer_lite.packing import pack_examples  # noqa: E402
-from flaxformer_lite.tokenizer import EOS_ID, PAD_ID  # noqa: E402
+from flaxformer_lite.special_ids import EOS_ID, PAD_ID  # noqa: E402
 
 RESULTS = HERE / "results"
 SMALL = train_step.CONFIGS["small"]

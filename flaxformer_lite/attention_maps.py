@@ -113,7 +113,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--text", required=True, help="source sentence")
     parser.add_argument("--out", required=True, help="folder for the PNG files")
     parser.add_argument("--max_len", type=int, default=None, help="most tokens to generate")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Checked before the model is loaded: one line naming the flag, exit 2, nothing written.
+    if not args.text.strip():
+        parser.error("argument --text: is empty; give the sentence to translate and plot")
+    if args.step is not None and args.step < 0:
+        parser.error(f"argument --step: must be an int >= 0; got {args.step}")
+    if args.max_len is not None and args.max_len < 1:
+        parser.error(f"argument --max_len: must be an int >= 1; got {args.max_len}")
+    out = paths.resolve(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"argument --out: {args.out} is a file; give a folder for the PNG files")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

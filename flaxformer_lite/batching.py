@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from flaxformer_lite.encoding import EncodedPairs, Example
-from flaxformer_lite.tokenizer import PAD_ID
+from flaxformer_lite.special_ids import PAD_ID
 
 Batch = dict[str, np.ndarray]
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from flaxformer_lite.special_ids import BOS_ID, PAD_ID
+
 ACTIVATIONS = ("relu", "gelu", "swiglu", "geglu")
 NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -67,8 +69,10 @@ class TransformerConfig:
         encoder output).
       num_classes: labels of the EncoderClassifier head.
       pooling: how the classifier pools the encoder output ("mean" over real tokens, "first").
-      pad_id: the padding token id in every input.
-      bos_id: the first decoder input (targets are shifted right behind it).
+      pad_id: the padding token id in every input (default ``special_ids.PAD_ID``, what the
+        tokenizers and the data pipeline use; ``generate`` pads its outputs with it too).
+      bos_id: the first decoder input (targets are shifted right behind it; default
+        ``special_ids.BOS_ID``; ``generate`` starts decoding from it).
     """
 
     vocab_size: int = 37000
@@ -98,8 +102,8 @@ class TransformerConfig:
     fused_qkv: bool = False
     num_classes: int = 2
     pooling: str = "mean"
-    pad_id: int = 0
-    bos_id: int = 2
+    pad_id: int = PAD_ID
+    bos_id: int = BOS_ID
 
     def __post_init__(self) -> None:
         positive = (

@@ -21,6 +21,10 @@ traced once under ``jax.jit`` and run on any backend.
 Output token arrays never contain the initial (BOS) token: position ``t`` holds the token
 generated at step ``t``. After a row (or beam) has emitted EOS, the remaining positions are
 PAD.
+
+Every search also takes an optional ``row_max_len``, int ``[batch]``: row ``b`` generates at
+most ``row_max_len[b]`` tokens (PAD after them), so what a row gets never depends on the
+limits of its batch-mates; ``max_len`` is then only the static width of the output.
 """
 
 from __future__ import annotations
@@ -32,9 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-PAD_ID = 0
-EOS_ID = 1
-BOS_ID = 2
+from flaxformer_lite.special_ids import BOS_ID, EOS_ID, PAD_ID  # re-exported: the defaults
 
 PyTree = Any
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
@@ -102,6 +104,20 @@ def _initial_tokens(initial_tokens: jax.Array | None, batch_size: int, bos_id: i
             f"got {initial_tokens.shape}."
         )
     return initial_tokens.astype(jnp.int32)
+
+
+def _row_limits(row_max_len: jax.Array | None, batch_size: int, max_len: int) -> jax.Array:
+    """int32 ``[batch_size]`` per-row token limits: ``row_max_len`` clipped to ``[1, max_len]``
+    (every row generates at least one token; ``max_len`` is the static width), or ``max_len``
+    for every row when it is None."""
+    if row_max_len is None:
+        return jnp.full((batch_size,), max_len, jnp.int32)
+    row_max_len = jnp.asarray(row_max_len)
+    if row_max_len.shape != (batch_size,):
+        raise ValueError(
+            f"row_max_len must have shape [batch_size] = ({batch_size},), got {row_max_len.shape}."
+        )
+    return jnp.clip(row_max_len.astype(jnp.int32), 1, max_len)
 
 
 def length_penalty(length: jax.Array | int | float, alpha: float) -> jax.Array:
@@ -188,6 +204,7 @@ def _decode_loop(
     pad_id: int,
     bos_id: int,
     initial_tokens: jax.Array | None,
+    row_max_len: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
     """Single-hypothesis decoding loop shared by greedy search and sampling.
 
@@ -198,14 +215,17 @@ def _decode_loop(
     _check_positive_int("batch_size", batch_size)
     _check_positive_int("max_len", max_len)
     first = _initial_tokens(initial_tokens, batch_size, bos_id)
+    limits = _row_limits(row_max_len, batch_size, max_len)
 
     def cond(state):
         step, _, _, _, finished, _ = state
-        # Stop early once every row has emitted EOS: further steps would only append PAD.
-        return (step < max_len) & ~jnp.all(finished)
+        # Stop early once every row has emitted EOS or reached its limit: further steps would
+        # only append PAD.
+        return (step < max_len) & ~jnp.all(finished | (step >= limits))
 
     def body(state):
         step, last, tokens, log_probs, finished, cache = state
+        finished = finished | (step >= limits)  # a row at its limit only appends PAD
         logits, new_cache = tokens_to_logits(last[:, None], cache)
         logits = _checked_logits(logits, batch_size)
         # Scores are reported under the model's own distribution (no temperature / filtering),
@@ -241,6 +261,7 @@ def greedy_search(
     initial_tokens: jax.Array | None = None,
     pad_id: int = PAD_ID,
     bos_id: int = BOS_ID,
+    row_max_len: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Greedy (argmax) decoding.
 
@@ -253,6 +274,9 @@ def greedy_search(
       initial_tokens: optional int32 ``[batch_size]`` first inputs (default: ``bos_id``).
       pad_id: id written after EOS.
       bos_id: default first input.
+      row_max_len: optional int ``[batch_size]``: row ``b`` generates at most
+        ``row_max_len[b]`` tokens (clipped to ``[1, max_len]``), PAD after them (default:
+        ``max_len`` for every row).
 
     Returns:
       ``(tokens, log_probs)``: int32 ``[batch_size, max_len]`` generated tokens (EOS
@@ -269,6 +293,7 @@ def greedy_search(
         pad_id=pad_id,
         bos_id=bos_id,
         initial_tokens=initial_tokens,
+        row_max_len=row_max_len,
     )
 
 
@@ -321,6 +346,7 @@ def sample(
     initial_tokens: jax.Array | None = None,
     pad_id: int = PAD_ID,
     bos_id: int = BOS_ID,
+    row_max_len: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering.
 
@@ -342,6 +368,7 @@ def sample(
       initial_tokens: optional int32 ``[batch_size]`` first inputs (default: ``bos_id``).
       pad_id: id written after EOS.
       bos_id: default first input.
+      row_max_len: optional int ``[batch_size]`` per-row limits, as in :func:`greedy_search`.
 
     Returns:
       ``(tokens, log_probs)``: int32 ``[batch_size, max_len]`` and float32 ``[batch_size]``
@@ -381,6 +408,7 @@ def sample(
         pad_id=pad_id,
         bos_id=bos_id,
         initial_tokens=initial_tokens,
+        row_max_len=row_max_len,
     )
 
 
@@ -429,6 +457,7 @@ def beam_search(
     initial_tokens: jax.Array | None = None,
     pad_id: int = PAD_ID,
     bos_id: int = BOS_ID,
+    row_max_len: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with GNMT length penalty; live and finished hypotheses kept apart.
 
@@ -461,6 +490,9 @@ def beam_search(
       initial_tokens: optional int32 ``[batch_size]`` first inputs (default: ``bos_id``).
       pad_id: id written after EOS / unused positions.
       bos_id: default first input.
+      row_max_len: optional int ``[batch_size]``: the hypotheses of batch element ``b`` end
+        at ``min(row_max_len[b], max_len)`` tokens instead of ``max_len`` (everything above,
+        bound and truncation included, then holds per element with its own limit).
 
     Returns:
       ``(sequences, scores)``: int32 ``[batch_size, beam_size, max_len]`` and float32
@@ -472,15 +504,17 @@ def beam_search(
     _check_positive_int("beam_size", beam_size)
     _check_positive_int("max_len", max_len)
     first = _initial_tokens(initial_tokens, batch_size, bos_id)
+    limits = _row_limits(row_max_len, batch_size, max_len)  # [batch]
     k = beam_size
     neg_inf = jnp.array(-jnp.inf, jnp.float32)
     # Penalty grows with length when alpha > 0 (shrinks when alpha < 0); the best score a
     # (non-positive) log-prob can reach is obtained with the largest penalty reachable.
-    max_len_penalty = length_penalty(max_len, alpha)
+    max_len_penalty = length_penalty(limits, alpha)  # [batch]
 
     def cond(state):
         step = state["step"]
-        # Best reachable score of any live beam (sorted, so beam 0 is the best).
+        # Best reachable score of any live beam (sorted, so beam 0 is the best). An element
+        # past its limit has no live beam left (all -inf): it cannot improve.
         next_len_penalty = length_penalty(step + 1, alpha)
         best_live = state["live_logp"][:, 0] / jnp.maximum(next_len_penalty, max_len_penalty)
         # Until `k` hypotheses have finished, live beams can still fill the empty slots.
@@ -508,7 +542,7 @@ def beam_search(
         top_tok = (top_idx % vocab).astype(jnp.int32)
         top_seqs = _gather_beams(state["live_seqs"], top_parent)  # [batch, n_cand, max_len]
         top_seqs = lax.dynamic_update_slice(top_seqs, top_tok[:, :, None], (0, 0, step))
-        ended = (top_tok == eos_id) | (length >= max_len)
+        ended = (top_tok == eos_id) | (length >= limits[:, None])
         # -inf candidates come from padding beams (e.g. beams 1.. at step 0) or impossible
         # tokens; they must never count as hypotheses.
         valid = top_logp > neg_inf
@@ -559,7 +593,8 @@ def beam_search(
     # Hypotheses reaching max_len are finished by construction, so this fallback only triggers
     # when nothing with a finite score ever ended (e.g. EOS impossible and max_len unreached).
     none_finished = ~jnp.any(state["fin_flags"], axis=1)
-    live_scores = state["live_logp"] / length_penalty(state["step"], alpha)
+    live_len = jnp.minimum(state["step"], limits)[:, None]
+    live_scores = state["live_logp"] / length_penalty(live_len, alpha)
     sequences = jnp.where(none_finished[:, None, None], state["live_seqs"], state["fin_seqs"])
     scores = jnp.where(none_finished[:, None], live_scores, state["fin_scores"])
     return sequences, scores

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from flaxformer_lite.data import DataStats
-from flaxformer_lite.tokenizer import EOS_ID, Tokenizer
+from flaxformer_lite.special_ids import EOS_ID
+from flaxformer_lite.tokenizer import Tokenizer
 
 TOO_LONG_POLICIES = ("truncate", "drop")
 

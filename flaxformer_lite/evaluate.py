@@ -3,7 +3,10 @@
     python -m flaxformer_lite.evaluate --workdir runs/m30k \
         --source test2016.en --reference test2016.de --output test2016.hyp
 
-Every path (workdir, source, reference, output, report) may be a ``gs://`` URI.
+Every path (workdir, source, reference, output, report) may be a ``gs://`` URI. They are
+checked before the model is loaded (as in ``translate``): a missing or folder ``--source`` /
+``--reference``, an ``--output`` / ``--report`` in a missing folder or naming a folder, or both
+naming the same file, ends the command with one ``error: argument --NAME: ...`` line (exit 2).
 
 Prints the cased BLEU with sacrebleu's signature (the line to publish: it pins the tokenizer,
 smoothing and version), the lowercased BLEU, and the exact-match rate; writes the hypotheses
@@ -19,9 +22,12 @@ from collections.abc import Sequence
 
 from etils import epath
 
+from flaxformer_lite import paths
 from flaxformer_lite.inference import Translator
 from flaxformer_lite.translate import (
     add_decoding_flags,
+    check_decoding_flags,
+    check_paths,
     decoding_kwargs,
     plain_warnings,
     read_lines,
@@ -63,7 +69,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--report", default=None, help="write the scores and decoding settings here (JSON)"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_decoding_flags(parser, args)
+    check_paths(
+        parser,
+        [("--source", args.source), ("--reference", args.reference)],
+        [("--output", args.output), ("--report", args.report)],
+    )
+    if args.output and args.report and paths.resolve(args.output) == paths.resolve(args.report):
+        parser.error(
+            f"argument --report: {args.report} is also --output; give the report its own file"
+        )
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

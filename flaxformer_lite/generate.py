@@ -115,7 +115,12 @@ def _search(
     top_p,
     rng,
     initial_tokens,
+    row_max_len,
+    config,
 ):
+    # The model's own ids: decoding starts from the BOS it was trained behind and pads with its
+    # PAD (both default to special_ids).
+    ids = dict(bos_id=config.bos_id, pad_id=config.pad_id, row_max_len=row_max_len)
     if method == "greedy":
         return decoding.greedy_search(
             tokens_to_logits,
@@ -123,6 +128,7 @@ def _search(
             batch_size=batch_size,
             max_len=max_len,
             initial_tokens=initial_tokens,
+            **ids,
         )
     if method == "sample":
         if rng is None:
@@ -137,6 +143,7 @@ def _search(
             top_k=top_k,
             top_p=top_p,
             initial_tokens=initial_tokens,
+            **ids,
         )
     sequences, scores = decoding.beam_search(
         tokens_to_logits,
@@ -146,6 +153,7 @@ def _search(
         max_len=max_len,
         alpha=alpha,
         initial_tokens=initial_tokens,
+        **ids,
     )
     return sequences[:, 0], scores[:, 0]
 
@@ -267,6 +275,76 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
 
 
+def check_decode_len(config: TransformerConfig, max_len: Any, prompt_len: int | None = None) -> int:
+    """The number of tokens to generate, checked against the model's positions.
+
+    ``prompt_len`` None (an EncoderDecoder): the decoder reads BOS and every generated token
+    but the last, so ``max_len`` may be up to ``TransformerConfig.max_len``; None = that.
+    ``prompt_len`` an int (a DecoderOnly continuing a prompt): the cache holds BOS, the prompt
+    and the new tokens, so ``prompt_len + 1 + max_len`` must not exceed
+    ``TransformerConfig.max_len``; None = all the positions left.
+
+    Raises:
+      ValueError: ``max_len`` is not a positive int, or the request does not fit (the
+        message names the argument and the largest value that fits).
+    """
+    limit = config.max_len if prompt_len is None else config.max_len - prompt_len - 1
+    if prompt_len is not None and limit < 1:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens leaves no room to generate: BOS + prompt + new "
+            f"tokens must fit the model's TransformerConfig.max_len={config.max_len}, so the "
+            f"prompt may have at most {config.max_len - 2} tokens"
+        )
+    if max_len is None:
+        return limit
+    if isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int or None; got {max_len!r}")
+    if max_len > limit:
+        where = "" if prompt_len is None else f" after BOS and a {prompt_len}-token prompt"
+        raise ValueError(
+            f"max_len={max_len} new tokens do not fit the model's positions{where} "
+            f"(TransformerConfig.max_len={config.max_len}): give max_len <= {limit}"
+        )
+    return int(max_len)
+
+
+def _place_row_max_len(row_max_len: Any, rows: int, padded: int, mesh: Mesh, max_len: int):
+    """``row_max_len`` (ints `[rows]`) as a `[padded]` int32 global array split like the
+    input rows, padded as :func:`place_rows` pads them (copies of row 0's limit).
+
+    Host values must lie in ``[1, max_len]``. A multi-process global array (e.g. from
+    ``sharding.global_rows_with_ids``, its rows following the inputs') is taken as it is:
+    its values are clipped to that range inside the search.
+    """
+    if row_max_len is None:
+        return None
+    shape, dtype = getattr(row_max_len, "shape", None), getattr(row_max_len, "dtype", None)
+    if shape is None:
+        row_max_len = np.asarray(row_max_len)
+        shape, dtype = row_max_len.shape, row_max_len.dtype
+    if tuple(shape) != (rows,) or not np.issubdtype(dtype, np.integer):
+        raise ValueError(
+            f"row_max_len must be ints [batch] = ({rows},), one limit per input row; got "
+            f"{dtype} {tuple(shape)}"
+        )
+    target = sharding.batch_sharding(mesh)
+    if isinstance(row_max_len, jax.Array) and not row_max_len.is_fully_addressable:
+        if padded != rows:
+            raise ValueError(
+                f"row_max_len: a multi-process array of {rows} rows cannot be padded to the "
+                f"{padded} rows of the inputs: give a multiple of the data x fsdp devices"
+            )
+        return jax.device_put(row_max_len.astype(jnp.int32), target)
+    limits = np.asarray(row_max_len)
+    if rows and not (limits.min() >= 1 and limits.max() <= max_len):
+        raise ValueError(
+            f"row_max_len values must be in [1, max_len={max_len}]; got {limits.min()} .. "
+            f"{limits.max()}"
+        )
+    host = np.concatenate([limits, np.repeat(limits[:1], padded - rows)]).astype(np.int32)
+    return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+
 # ----------------------------------------------------------------------------- jitted calls
 
 
@@ -286,16 +364,20 @@ def generate_jit(
     top_k: int = 0,
     top_p: float = 1.0,
     rng: jax.Array | None = None,
+    row_max_len: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The one jitted call of :func:`generate`: ``inputs`` `[padded_rows, src_len]` (a multiple
-    of the data axes), the first ``rows`` of the results returned (None: all of them).
-    Called directly (``.lower`` for ahead-of-time compilation), it places nothing itself:
-    arguments on other shardings are moved inside the call."""
+    of the data axes) and optional ``row_max_len`` `[padded_rows]`, the first ``rows`` of the
+    results returned (None: all of them). Called directly (``.lower`` for ahead-of-time
+    compilation), it places nothing itself: arguments on other shardings are moved inside the
+    call."""
     _check_method(method)
+    max_len = check_decode_len(config, max_len)
     params = _constrain_params(params, EncoderDecoder, config, mesh)
     inputs = jax.lax.with_sharding_constraint(inputs, sharding.batch_sharding(mesh))
+    if row_max_len is not None:
+        row_max_len = jax.lax.with_sharding_constraint(row_max_len, sharding.batch_sharding(mesh))
     params, config = unrolled(params, config)
-    max_len = config.max_len if max_len is None else max_len
     options = dict(
         beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
     )
@@ -319,7 +401,15 @@ def generate_jit(
         _, cache = prime(jnp.zeros((beam_rows, 0), jnp.int32), cache)
         step = _sharded_step(_decoder_call(model, params, None, inputs), mesh)
         tokens, scores = _search(
-            method, step, cache, batch_size, max_len, initial_tokens=None, **options
+            method,
+            step,
+            cache,
+            batch_size,
+            max_len,
+            initial_tokens=None,
+            row_max_len=row_max_len,
+            config=config,
+            **options,
         )
     return _unpad((tokens, scores), rows, mesh)
 
@@ -348,7 +438,7 @@ def continue_prompt_jit(
     params, config = unrolled(params, config)
     model = DecoderOnly(config)
     batch_size, prompt_len = prompt.shape
-    max_len = config.max_len - prompt_len - 1 if max_len is None else max_len
+    max_len = check_decode_len(config, max_len, prompt_len)
     options = dict(
         beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
     )
@@ -364,7 +454,15 @@ def continue_prompt_jit(
         step = _sharded_step(_decoder_call(model, params), mesh)
         _, cache = step(context[:, :-1], cache)  # prefill the prompt
         tokens, scores = _search(
-            method, step, cache, batch_size, max_len, initial_tokens=context[:, -1], **options
+            method,
+            step,
+            cache,
+            batch_size,
+            max_len,
+            initial_tokens=context[:, -1],
+            row_max_len=None,
+            config=config,
+            **options,
         )
     return _unpad((tokens, scores), rows, mesh)
 
@@ -386,6 +484,7 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     rng: jax.Array | None = None,
+    row_max_len: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Translates a batch of source token ids with an ``EncoderDecoder``.
 
@@ -399,16 +498,31 @@ def generate(
         split over all of them. Parameters already placed on it are not copied.
       method: "greedy", "beam" (beam search, GNMT length penalty ``alpha``) or "sample"
         (temperature, top-k, top-p; needs ``rng``).
-      max_len: tokens to generate at most (EOS included); None = ``config.max_len``.
+      max_len: tokens to generate at most (EOS included), at most ``config.max_len`` (the
+        decoder's positions); None = ``config.max_len``.
+      row_max_len: optional ints `[batch]`, each in ``[1, max_len]``: row ``b`` generates
+        at most ``row_max_len[b]`` tokens (PAD after them), so its output does not depend on
+        the limits of the other rows; ``max_len`` is then the output width. Host values, or
+        a global array whose rows follow those of ``inputs`` (multi-process). A traced
+        argument: other limits do not compile again.
 
     Returns:
       tokens int32 `[batch, max_len]` (EOS-terminated, PAD after EOS, no BOS) and scores
       float32 `[batch]` (log-probability; length-normalised for beam search). The same
       tokens on any mesh (up to float rounding between different reduction orders).
+
+    Raises:
+      ValueError: unknown ``method``, ``max_len`` not a positive int or more than
+        ``config.max_len``, ``row_max_len`` of another shape or out of ``[1, max_len]``,
+        ``inputs`` not rank 2 (before anything is traced).
     """
     _check_method(method)
+    max_len = check_decode_len(config, max_len)
     mesh = default_mesh() if mesh is None else mesh
+    if not hasattr(inputs, "shape"):  # nested lists
+        inputs = np.asarray(inputs, np.int32)
     inputs, rows = place_rows(inputs, mesh)
+    limits = _place_row_max_len(row_max_len, rows, inputs.shape[0], mesh, max_len)
     return generate_jit(
         place_params(params, EncoderDecoder, config, mesh),
         config,
@@ -423,6 +537,7 @@ def generate(
         top_k=top_k,
         top_p=top_p,
         rng=_replicated(rng, mesh),
+        row_max_len=limits,
     )
 
 
@@ -448,8 +563,16 @@ def continue_prompt(
     (None: as many as ``config.max_len`` leaves after BOS and the prompt). ``mesh`` and the
     other options as in :func:`generate`.
     Returns the continuation `[batch, max_len]` and scores `[batch]`.
+
+    Raises:
+      ValueError: BOS + prompt + ``max_len`` new tokens exceed ``config.max_len`` (the cache
+        and positions), or the arguments of :func:`generate` are wrong (before tracing).
     """
     _check_method(method)
+    if not hasattr(prompt, "shape"):  # nested lists
+        prompt = np.asarray(prompt, np.int32)
+    if len(prompt.shape) == 2:  # else place_rows names the argument
+        check_decode_len(config, max_len, int(prompt.shape[1]))
     mesh = default_mesh() if mesh is None else mesh
     prompt, rows = place_rows(prompt, mesh, "prompt")
     return continue_prompt_jit(

@@ -35,11 +35,17 @@ from etils import epath
 
 from flaxformer_lite import paths, sharding
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.generate import METHODS, default_mesh, generate, place_params
+from flaxformer_lite.generate import (
+    METHODS,
+    check_decode_len,
+    default_mesh,
+    generate,
+    place_params,
+)
 from flaxformer_lite.models import EncoderDecoder, unrolled
+from flaxformer_lite.special_ids import EOS_ID
 from flaxformer_lite.synthetic import SymbolVocabulary  # noqa: E402  (re-exported)
 
-PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 # Source lengths are padded up to a multiple of this: few shapes, little padding.
 BUCKET = 16
 SEQ2SEQ_TASKS = ("synthetic", "translation")
@@ -354,22 +360,18 @@ class Translator:
         return self.config.max_len
 
     def _decode_len(self, source_len: int, max_len: int | None) -> int:
-        """Tokens to generate for sources padded to ``source_len``.
+        """Tokens to generate for a source of ``source_len`` tokens (EOS included).
 
         Default as in ``train.py``'s BLEU evaluation: 1.5 times the source plus 10, never more
         than the model's positions cover (decoding stops earlier once every row has EOS).
+        It is a function of one source alone: ``translate`` gives each row its own limit.
+
+        Raises:
+          ValueError: ``max_len`` is not a positive int or exceeds the model's ``max_len``.
         """
-        limit = self.config.max_len
         if max_len is None:
-            return max(1, min(limit, int(source_len * 1.5) + 10))
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be a positive int or None; got {max_len!r}")
-        if self.config.position in ("sinusoidal", "learned") and max_len > limit:
-            raise ValueError(
-                f"max_len={max_len} is longer than the model's positions "
-                f"(TransformerConfig.max_len={limit}, position={self.config.position!r})"
-            )
-        return max_len
+            return max(1, min(self.config.max_len, int(source_len * 1.5) + 10))
+        return check_decode_len(self.config, max_len)
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int] | None], int]:
         """Source ids (EOS appended, truncated to ``max_source_len``) or None for empty lines.
@@ -429,14 +431,16 @@ class Translator:
             the same row count: ``batch_size``, or the next power of two at or above the number
             of sentences when there are fewer (so one short input does not pay for 64 rows),
             rounded up to a multiple of the devices the batch is split over.
-          max_len: most tokens to generate; None = ``min(model max_len, 1.5 * source + 10)``.
+          max_len: most tokens to generate; None = ``min(model max_len, 1.5 * source + 10)``
+            with ``source`` the sentence's own token count (EOS included): a sentence gets the
+            same translation whatever its batch-mates.
           temperature, top_k, top_p: sampling filters (method="sample").
           seed: sampling key (batch i uses ``fold_in(key(seed), i)``): same seed, same output.
           progress: show a tqdm bar on stderr.
 
         Raises:
-          ValueError: unknown ``method``, or a ``beam_size``, ``batch_size`` or ``max_len``
-            that is not a positive int.
+          ValueError: unknown ``method``, a ``beam_size``, ``batch_size`` or ``max_len``
+            that is not a positive int, or a ``max_len`` above the model's ``max_len``.
         """
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}; got {method!r}")
@@ -465,15 +469,21 @@ class Translator:
                     _round_up(max(len(ids[i]) for i in chunk), BUCKET), self.max_source_len
                 )
                 inputs = np.zeros((rows, source_len), np.int32)
+                # Each row stops at its own limit (a function of its own length); the padded
+                # source length only sets the output width, so that few shapes compile.
+                limits = np.zeros((rows,), np.int32)
                 for row, i in enumerate(chunk):
                     inputs[row, : len(ids[i])] = ids[i]
+                    limits[row] = self._decode_len(len(ids[i]), max_len)
                 # Padding rows copy a real row: they finish when it does, so they never keep
                 # the decoding loop (which stops once all rows have EOS) running longer.
                 inputs[len(chunk) :] = inputs[0]
+                limits[len(chunk) :] = limits[0]
                 tokens = self._generate(
                     inputs,
                     method=method,
                     max_len=self._decode_len(source_len, max_len),
+                    row_max_len=limits,
                     beam_size=beam_size,
                     alpha=alpha,
                     temperature=temperature,
@@ -500,8 +510,10 @@ class Translator:
         top_k: int = 0,
         top_p: float = 1.0,
         rng: jax.Array | None = None,
+        row_max_len: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Token ids `[rows, max_len]` (EOS then PAD) for source ids `[rows, src_len]`."""
+        """Token ids `[rows, max_len]` (EOS then PAD) for source ids `[rows, src_len]`; row
+        ``r`` generates at most ``row_max_len[r]`` tokens (None: ``max_len``)."""
         # The options are static jit arguments: give the ones a method ignores fixed values,
         # so that e.g. greedy with another beam_size does not compile again.
         if method != "beam":
@@ -521,6 +533,7 @@ class Translator:
             top_k=top_k,
             top_p=float(top_p),
             rng=rng,
+            row_max_len=row_max_len,
         )
         return np.asarray(tokens)
 

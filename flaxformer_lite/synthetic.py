@@ -21,13 +21,11 @@ import numpy as np
 
 from flaxformer_lite import paths
 from flaxformer_lite.data import DataError
+from flaxformer_lite.special_ids import EOS_ID, SPECIAL_PIECES, UNK_ID
 from flaxformer_lite.tasks import Task
 
 TASKS = ("reverse", "sort", "add")
-UNK_ID = 3
-FIRST_SYMBOL = 4  # after pad, EOS, BOS, UNK
-SPECIAL_PIECES = ("<pad>", "</s>", "<s>", "<unk>")
-PAD_ID, EOS_ID = 0, 1
+FIRST_SYMBOL = len(SPECIAL_PIECES)  # after pad, EOS, BOS, UNK
 
 
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"

@@ -1,8 +1,8 @@
 """Subword tokenizer: a thin wrapper around a SentencePiece model with fixed special ids.
 
-The special ids are the same everywhere in the project (models, data, decoding):
-``PAD_ID=0`` (padding, zero loss weight), ``EOS_ID=1`` (appended to every sequence),
-``BOS_ID=2`` (only used by decoding as a start symbol if it wants one) and ``UNK_ID=3``.
+The special ids are the project's (``special_ids``, re-exported here): ``PAD_ID=0``
+(padding, zero loss weight), ``EOS_ID=1`` (appended to every sequence), ``BOS_ID=2`` (the
+first decoder input) and ``UNK_ID=3``.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import sentencepiece as spm
 from etils import epath
 
 from flaxformer_lite import paths
+from flaxformer_lite.special_ids import BOS_ID, EOS_ID, PAD_ID, SPECIAL_PIECES, UNK_ID
 
-PAD_ID = 0
-EOS_ID = 1
-BOS_ID = 2
-UNK_ID = 3
+__all__ = ["BOS_ID", "EOS_ID", "MODEL_TYPES", "PAD_ID", "UNK_ID", "Tokenizer", "load_or_train"]
 
 MODEL_TYPES = ("unigram", "bpe", "char")
 
@@ -117,10 +115,10 @@ class Tokenizer:
             eos_id=EOS_ID,
             bos_id=BOS_ID,
             unk_id=UNK_ID,
-            pad_piece="<pad>",
-            eos_piece="</s>",
-            bos_piece="<s>",
-            unk_piece="<unk>",
+            pad_piece=SPECIAL_PIECES[PAD_ID],
+            eos_piece=SPECIAL_PIECES[EOS_ID],
+            bos_piece=SPECIAL_PIECES[BOS_ID],
+            unk_piece=SPECIAL_PIECES[UNK_ID],
             num_threads=num_threads or os.cpu_count() or 1,
             minloglevel=2,
         )

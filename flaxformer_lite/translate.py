@@ -8,6 +8,11 @@
 Lines are split on "\\n" only, so output line i always translates input line i; an empty input
 line gives an empty output line. All of stdin is read before decoding starts (sentences are
 batched by length).
+
+Flags are checked before the model is loaded: an ``--input`` that is missing or a folder, an
+``--output`` in a folder that does not exist or that is itself a folder, or a decoding option
+out of range ends the command at once with one ``error: argument --NAME: ...`` line (exit 2),
+nothing read or written.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Sequence
 
 from etils import epath
 
+from flaxformer_lite import paths
 from flaxformer_lite.generate import METHODS
 from flaxformer_lite.inference import Translator
 
@@ -51,6 +57,71 @@ def write_lines(path: str | None, lines: Sequence[str]) -> None:
         sys.stdout.flush()
     else:
         epath.Path(path).write_bytes(text.encode("utf-8"))
+
+
+def input_file_problem(path: str | None) -> str | None:
+    """Why ``path`` cannot be read as a text file (None or "-" = stdin: fine), else None."""
+    if path in (None, "-"):
+        return None
+    file = paths.resolve(path)
+    if file.is_dir():
+        return f"{path} is a folder; give a text file, one sentence per line (or - for stdin)"
+    if not file.is_file():
+        return f"{path} does not exist; give a text file, one sentence per line"
+    return None
+
+
+def output_file_problem(path: str | None) -> str | None:
+    """Why ``path`` cannot be written as a file (None or "-" = stdout: fine), else None.
+
+    A local file needs an existing parent folder; a URI's "folder" exists with its objects
+    (``paths.makedirs``), so only a URI naming an existing folder is refused.
+    """
+    if path in (None, "-"):
+        return None
+    file = paths.resolve(path)
+    if file.is_dir():
+        return f"{path} is a folder; give a file name"
+    if not paths.is_uri(path) and not file.parent.is_dir():
+        return f"folder {file.parent} does not exist; create it or write elsewhere"
+    return None
+
+
+def check_decoding_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` (exit 2, one line naming the flag) on a decoding flag out of range."""
+    checks = [
+        ("--step", args.step, args.step is None or args.step >= 0, "an int >= 0"),
+        ("--average", args.average, args.average >= 1, "an int >= 1"),
+        (
+            "--beam_size",
+            args.beam_size,
+            args.beam_size is None or args.beam_size >= 1,
+            "an int >= 1",
+        ),
+        ("--batch_size", args.batch_size, args.batch_size >= 1, "an int >= 1"),
+        ("--max_len", args.max_len, args.max_len is None or args.max_len >= 1, "an int >= 1"),
+        ("--temperature", args.temperature, args.temperature >= 0, "a number >= 0"),
+        ("--top_k", args.top_k, args.top_k >= 0, "an int >= 0 (0: off)"),
+        ("--top_p", args.top_p, 0 < args.top_p <= 1, "a number in (0, 1] (1: off)"),
+    ]
+    for flag, value, ok, valid in checks:
+        if not ok:  # also NaN for the float flags
+            parser.error(f"argument {flag}: must be {valid}; got {value}")
+
+
+def check_paths(
+    parser: argparse.ArgumentParser,
+    inputs: Sequence[tuple[str, str | None]],
+    outputs: Sequence[tuple[str, str | None]],
+) -> None:
+    """``parser.error`` (exit 2, one line naming the flag) on the first (flag, path) of
+    ``inputs`` that cannot be read or of ``outputs`` that cannot be written."""
+    for flag, path in inputs:
+        if problem := input_file_problem(path):
+            parser.error(f"argument {flag}: {problem}")
+    for flag, path in outputs:
+        if problem := output_file_problem(path):
+            parser.error(f"argument {flag}: {problem}")
 
 
 def plain_warnings() -> None:
@@ -115,7 +186,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_decoding_flags(parser)
     parser.add_argument("--input", default=None, help="source file (default: stdin)")
     parser.add_argument("--output", default=None, help="output file (default: stdout)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_decoding_flags(parser, args)
+    check_paths(parser, [("--input", args.input)], [("--output", args.output)])
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

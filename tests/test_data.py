@@ -35,7 +35,7 @@ from flaxformer_lite.data import (  # noqa: E402
 )
 from flaxformer_lite.encoding import EncodedPairs, encode_labeled, encode_pairs  # noqa: E402
 from flaxformer_lite.packing import first_fit_rows, pack_examples  # noqa: E402
-from flaxformer_lite.tokenizer import EOS_ID  # noqa: E402
+from flaxformer_lite.special_ids import EOS_ID  # noqa: E402
 from flaxformer_lite.translation_task import build_translation_data  # noqa: E402
 
 

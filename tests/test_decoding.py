@@ -182,7 +182,7 @@ def make_markov_table(seed, vocab):
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "eos_id"))
-def jit_greedy(tables, pos_bias, rows, first, *, max_len, eos_id=EOS_ID):
+def jit_greedy(tables, pos_bias, rows, first, row_max_len=None, *, max_len, eos_id=EOS_ID):
     return greedy_search(
         prefix_callback(tables, pos_bias),
         prefix_cache(rows),
@@ -190,11 +190,14 @@ def jit_greedy(tables, pos_bias, rows, first, *, max_len, eos_id=EOS_ID):
         max_len=max_len,
         eos_id=eos_id,
         initial_tokens=first,
+        row_max_len=row_max_len,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "beam_size", "alpha"))
-def jit_beam(tables, pos_bias, rows, first, cache=None, *, max_len, beam_size, alpha):
+def jit_beam(
+    tables, pos_bias, rows, first, cache=None, row_max_len=None, *, max_len, beam_size, alpha
+):
     return beam_search(
         prefix_callback(tables, pos_bias),
         prefix_cache(rows) if cache is None else cache,
@@ -203,6 +206,7 @@ def jit_beam(tables, pos_bias, rows, first, cache=None, *, max_len, beam_size, a
         max_len=max_len,
         alpha=alpha,
         initial_tokens=first,
+        row_max_len=row_max_len,
     )
 
 
@@ -506,6 +510,64 @@ def test_beam_search_without_eos_returns_full_length_beams():
 
 
 # ---------------------------------------------------------------------------
+# Per-row limits
+# ---------------------------------------------------------------------------
+
+# Row 0 stops at 1 token, row 1 at 3, row 2 at 2; the output stays MAX_LEN (4) wide.
+ROW_LIMITS = np.array([1, 3, 2], np.int32)
+
+
+def limited_tables():
+    """Prefix tables where EOS is nearly impossible for batch rows 1 and 2 (their hypotheses
+    run into their limit) and left random for row 0."""
+    tables, pos_bias = make_prefix_tables(6, 3, VOCAB, MAX_LEN)
+    tables[ROWS[1:], :, EOS_ID] -= 20.0
+    return tables, pos_bias
+
+
+def test_greedy_row_max_len_equals_each_row_decoded_alone_with_its_limit():
+    tables, pos_bias = limited_tables()
+    (tokens, scores), calls = count_calls(
+        jit_greedy, tables, pos_bias, ROWS, FIRST, ROW_LIMITS, max_len=MAX_LEN
+    )
+    for b, row in enumerate(ROWS):
+        limit = int(ROW_LIMITS[b])
+        want, want_score = np_greedy(tables, pos_bias, [row], FIRST[b : b + 1], limit)
+        padded = np.concatenate([want[0], np.full(MAX_LEN - limit, PAD_ID)])
+        np.testing.assert_array_equal(tokens[b], padded, err_msg=f"row {b}")
+        np.testing.assert_allclose(scores[b], want_score[0], rtol=1e-5)
+    # The limits bite: without them rows 1 and 2 run longer.
+    unlimited, _ = jit_greedy(tables, pos_bias, ROWS, FIRST, max_len=MAX_LEN)
+    assert (np.asarray(unlimited)[1:, -1] != PAD_ID).all()
+    # The loop stops once every row has reached its limit (or EOS).
+    assert calls == ROW_LIMITS.max()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_beam_row_max_len_equals_each_row_decoded_alone_with_its_limit(alpha):
+    tables, pos_bias = limited_tables()
+    beam = 8  # exhaustive: every hypothesis of length <= 3 over 2 normal tokens survives
+    (seqs, scores), calls = count_calls(
+        jit_beam, tables, pos_bias, ROWS, FIRST, None, ROW_LIMITS,
+        max_len=MAX_LEN, beam_size=beam, alpha=alpha,
+    )  # fmt: skip
+    for b, row in enumerate(ROWS):
+        limit = int(ROW_LIMITS[b])
+        want = np_exhaustive(tables, pos_bias, int(row), int(FIRST[b]), limit, alpha)[:beam]
+        for j, (want_score, want_seq) in enumerate(want):
+            padded = want_seq + [PAD_ID] * (MAX_LEN - len(want_seq))
+            np.testing.assert_array_equal(seqs[b, j], padded, err_msg=f"row {b} beam {j}")
+            np.testing.assert_allclose(scores[b, j], want_score, rtol=1e-5)
+        # Short limits leave fewer possible hypotheses than beams: only impossible ones
+        # (PAD/BOS tokens, finfo.min logits) or empty slots (-inf) fill the rest.
+        assert np.all(np.asarray(scores)[b, len(want) :] < -1e30)
+    assert calls <= ROW_LIMITS.max()
+    # Decoded with the widest limit for all, row 0 gets a longer best hypothesis.
+    wide, _ = jit_beam(tables, pos_bias, ROWS, FIRST, max_len=MAX_LEN, beam_size=beam, alpha=alpha)
+    assert not np.array_equal(np.asarray(wide)[:, 0], np.asarray(seqs)[:, 0])
+
+
+# ---------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------
 
@@ -675,6 +737,40 @@ def test_beam_and_greedy_bad_arguments(kwargs, name):
             greedy_search(markov_callback(MARKOV), (), **args)
     with pytest.raises(ValueError, match="beam_size"):
         expand_to_beams({"a": jnp.zeros((2,))}, 0)
+
+
+def test_special_ids_are_defined_in_one_place():
+    """No module assigns PAD_ID / EOS_ID / BOS_ID / UNK_ID but special_ids; the other
+    holders of the ids (config defaults, tokenizer, synthetic vocabulary) agree with it."""
+    import ast
+    from pathlib import Path
+
+    from flaxformer_lite import special_ids, synthetic, tokenizer
+    from flaxformer_lite.config import TransformerConfig
+
+    names = {"PAD_ID", "EOS_ID", "BOS_ID", "UNK_ID"}
+    root = Path(__file__).resolve().parents[1]
+    sources = [
+        *(root / "flaxformer_lite").glob("*.py"),
+        root / "train.py",
+        *root.glob("bench/*.py"),
+    ]
+    defined = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                elts = target.elts if isinstance(target, ast.Tuple) else [target]
+                defined += [(path.name, e.id) for e in elts if getattr(e, "id", None) in names]
+    assert sorted(defined) == sorted(("special_ids.py", n) for n in names), defined
+    config = TransformerConfig()
+    assert (config.pad_id, config.bos_id) == (special_ids.PAD_ID, special_ids.BOS_ID)
+    for module in (decoding, tokenizer):
+        assert (module.PAD_ID, module.EOS_ID, module.BOS_ID) == (PAD_ID, EOS_ID, BOS_ID)
+    assert tokenizer.UNK_ID == synthetic.UNK_ID == special_ids.UNK_ID
+    assert synthetic.SymbolVocabulary("ab").id_to_piece(range(4)) == list(
+        special_ids.SPECIAL_PIECES
+    )
 
 
 def test_public_constants():

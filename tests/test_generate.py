@@ -175,6 +175,26 @@ def test_padded_batch_equals_rows_decoded_alone(params, greedy):
         np.testing.assert_array_equal(np.asarray(alone)[0], tokens[row], err_msg=f"row {row}")
 
 
+def test_row_max_len_cuts_each_row_at_its_own_limit(params, inputs, greedy):
+    tokens, scores = greedy
+    lengths = generated_lengths(tokens)
+    # Row 0 cut before its EOS, row 1 given more than it uses, row 2 cut at 1 token.
+    limits = [lengths[0] - 2, MAX_LEN, 1]
+    assert lengths[0] - 2 >= 1 and lengths[2] > 1, lengths
+    got, got_scores = generate(
+        params, CONFIG, inputs, method="greedy", max_len=MAX_LEN, row_max_len=limits
+    )
+    # A row alone with limit L: greedy's first L tokens, PAD after them; scores summed over
+    # them (the teacher-forced log-probs of the unlimited run).
+    keep = np.arange(MAX_LEN)[None, :] < np.asarray(limits)[:, None]
+    np.testing.assert_array_equal(np.asarray(got), np.where(keep, tokens, PAD_ID))
+    logp = teacher_forced_log_probs(params, CONFIG, inputs, tokens)
+    for row, limit in enumerate(limits):
+        n = min(limit, lengths[row])
+        want = logp[row, np.arange(n), tokens[row, :n]].sum()
+        np.testing.assert_allclose(got_scores[row], want, rtol=1e-5, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- beam search
 
 

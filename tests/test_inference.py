@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -112,6 +113,80 @@ def test_translate_keeps_order_and_empty_lines(translator):
     # Input order: each line translated alone gives the same output as in the batch.
     alone = [translator.translate([line] * 4)[0] for line in LINES]
     assert alone == outputs
+
+
+# A random model whose special ids (PAD, EOS, BOS, UNK) get logit 0 while the scaled-up symbol
+# logits reach far above it: it never ends a sentence, so every sentence runs into its decode
+# limit and the limit shows in the output length.
+SHORT = "314"  # 3 symbols + EOS: its own limit is int(4 * 1.5) + 10 = 16 tokens
+LONG = "271828182845904523536028747135"  # 30 symbols + EOS: limit min(48, 56) = 48
+
+
+@pytest.fixture(scope="module")
+def endless_translator() -> Translator:
+    from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.special_ids import SPECIAL_PIECES
+
+    config = TransformerConfig(
+        vocab_size=14,
+        d_model=16,
+        num_heads=2,
+        d_ff=32,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dropout_rate=0.0,
+        max_len=48,
+        tie_output_embedding=False,
+    )
+    rng = np.random.default_rng(0)  # numpy draws: no compile for random weights
+    params = jax.tree_util.tree_map(
+        lambda s: rng.normal(0.0, 0.3, s.shape).astype(s.dtype),
+        Translator.abstract_params(config),
+    )
+    kernel = params["decoder"]["logits"]["kernel"] * 8.0
+    kernel[:, : len(SPECIAL_PIECES)] = 0.0
+    params["decoder"]["logits"]["kernel"] = kernel
+    return Translator(params, config, SymbolVocabulary("0123456789"), beam_size=2)
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_a_sentence_translates_the_same_alone_and_beside_a_long_one(endless_translator, method):
+    alone = endless_translator.translate([SHORT], method=method)[0]
+    together = endless_translator.translate([LONG, SHORT], method=method)
+    assert together[1] == alone
+    # Each sentence stops at its own limit (1.5 x its tokens + 10), not at one derived from
+    # the longest sentence of its batch (48 here) or from its padded length (34 alone).
+    assert len(alone) == int((len(SHORT) + 1) * 1.5) + 10
+    assert len(together[0]) == min(48, int((len(LONG) + 1) * 1.5) + 10)
+    if method == "greedy":  # an explicit max_len is every sentence's limit
+        assert [len(t) for t in endless_translator.translate([LONG, SHORT], max_len=20)] == [20] * 2
+
+
+def test_bleu_evaluation_in_training_decodes_each_source_to_its_own_limit(endless_translator):
+    from types import SimpleNamespace
+
+    from flaxformer_lite.generate import default_mesh
+
+    vocab, config = endless_translator.source_vocab, endless_translator.config
+
+    def hypotheses(*sources: str) -> list[str]:
+        ids = [[*vocab.encode(text), 1] for text in sources]  # EOS-terminated
+        inputs = np.zeros((len(ids), max(map(len, ids))), np.int32)
+        for row, x in enumerate(ids):
+            inputs[row, : len(x)] = x
+        task = SimpleNamespace(
+            metric="bleu",
+            decode_inputs=[inputs],
+            decode_references=[list(sources)],
+            detokenize=vocab.decode,
+            source_detokenize=vocab.decode,
+        )
+        _, examples = train.decode_metric(task, endless_translator.params, config, default_mesh())
+        return [hyp for _, hyp, _ in examples]
+
+    alone = hypotheses(SHORT)[0]
+    assert len(alone) == int((len(SHORT) + 1) * 1.5) + 10
+    assert hypotheses(SHORT, LONG)[0] == alone
 
 
 def test_sampling_is_reproducible_by_seed(translator):
@@ -239,12 +314,18 @@ def test_evaluate_cli_prints_bleu_with_signature(workdir, translator, tmp_path, 
     assert "case:lc" in out
     outputs = translator.translate(sentences)
     assert hyps.read_text().split("\n")[:-1] == outputs
-    # The JSON record: the printed scores, recomputed here with sacrebleu on the same text.
+    # The JSON record: the printed scores, recomputed here with sacrebleu itself (not through
+    # evaluate.bleu_report) on the same text.
+    import sacrebleu
+
     record = json.loads((tmp_path / "report.json").read_text())
-    expected = evaluate.bleu_report(outputs, [s.replace(" ", "")[::-1] for s in sentences])
-    assert record["bleu"] == round(expected["bleu"].score, 2)
-    assert record["bleu_lowercase"] == round(expected["bleu_lowercase"].score, 2)
-    assert record["signature"] == expected["signature"]
+    refs = [[s.replace(" ", "")[::-1] for s in sentences]]
+    cased = sacrebleu.corpus_bleu(outputs, refs)
+    lower = sacrebleu.corpus_bleu(outputs, refs, lowercase=True)
+    assert record["bleu"] == round(cased.score, 2)
+    assert record["bleu_lowercase"] == round(lower.score, 2)
+    assert f"BLEU = {record['bleu']:.2f} " in out
+    assert record["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|")
     assert "case:lc" in record["signature_lowercase"]
     assert (record["beam_size"], record["alpha"], record["method"]) == (
         translator.beam_size,
@@ -252,6 +333,26 @@ def test_evaluate_cli_prints_bleu_with_signature(workdir, translator, tmp_path, 
         "beam",
     )
     assert record["num_sentences"] == len(sentences) and str(workdir) in record["checkpoint"]
+
+
+def test_bleu_report_equals_hand_computed_bleu():
+    # Single-letter words: sacrebleu's 13a tokenizer keeps them as they are. Matched n-grams
+    # over the corpus (cased):  1-grams 4+3+4 of 5+4+4, 2-grams 3+2+3 of 4+3+3,
+    # 3-grams 2+1+2 of 3+2+2, 4-grams 1+0+1 of 2+1+1; hypothesis length = reference length, so
+    # no brevity penalty. Lowercased, "X y z w" matches its reference entirely.
+    hyps = ["a b c d e", "X y z w", "p q r s"]
+    refs = ["a b c d f", "x y z w", "p q r s"]
+    report = evaluate.bleu_report(hyps, refs)
+    cased = 100 * (11 / 13 * 8 / 10 * 5 / 7 * 2 / 4) ** 0.25
+    lower = 100 * (12 / 13 * 9 / 10 * 6 / 7 * 3 / 4) ** 0.25
+    assert report["bleu"].score == pytest.approx(cased, abs=1e-9)  # 70.12
+    assert report["bleu_lowercase"].score == pytest.approx(lower, abs=1e-9)  # 85.49
+    assert report["exact_match"] == pytest.approx(1 / 3) and report["num_sentences"] == 3
+    assert "case:mixed" in report["signature"] and "case:lc" in report["signature_lowercase"]
+    # Every n-gram matches but the hypotheses are 8 words for 10: BLEU = brevity penalty
+    # exp(1 - 10 / 8).
+    short = evaluate.bleu_report(["a b c d", "x y z w"], ["a b c d e f", "x y z w"])
+    assert short["bleu"].score == pytest.approx(100 * math.exp(1 - 10 / 8), abs=1e-9)  # 77.88
 
 
 def test_attention_maps_cli_writes_pngs(workdir, tmp_path, capsys):
