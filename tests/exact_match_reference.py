@@ -1,0 +1,95 @@
+"""An independent recomputation of a synthetic run's greedy decoding and ``eval/exact_match``.
+
+train.py scores a synthetic run by cached greedy decoding (``generate``) on a mesh. This
+module recomputes it from the run's last checkpoint with none of that: greedy decoding that
+re-runs the full (uncached) model on the whole prefix at every step, on one device, and a
+plain NumPy comparison with the held-out targets. A decoder, gather or metric that is wrong
+gives different tokens or a different score.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite import EncoderDecoder, TransformerConfig, tasks
+from flaxformer_lite.checkpoints import Checkpointer
+
+PAD_ID, EOS_ID = 0, 1
+
+
+def naive_greedy(model: EncoderDecoder, params, inputs: np.ndarray, steps: int):
+    """Greedy tokens `[rows, steps]` (EOS, then PAD) from the full forward pass on the targets
+    decoded so far: the model shifts them right behind BOS and is causal, so the logits at
+    position t see only tokens before t (later positions hold PAD and do not matter).
+
+    Returns (tokens, margin `[rows]`: the smallest top-1 minus top-2 logit of each row's
+    choices, which says how far float rounding is from flipping one)."""
+    apply = jax.jit(lambda p, x, y: model.apply({"params": p}, x, y))
+    rows = inputs.shape[0]
+    tokens = np.full((rows, steps), PAD_ID, np.int32)
+    margin = np.full(rows, np.inf)
+    done = np.zeros(rows, bool)
+    for t in range(steps):
+        logits = np.asarray(apply(params, jnp.asarray(inputs), jnp.asarray(tokens)))[:, t]
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        margin = np.where(done, margin, np.minimum(margin, top2[:, 1] - top2[:, 0]))
+        token = np.where(done, PAD_ID, logits.argmax(-1)).astype(np.int32)
+        tokens[:, t] = token
+        done |= token == EOS_ID
+        if done.all():
+            break
+    return tokens, margin
+
+
+def naive_decoding(config, workdir: Path, scratch: Path):
+    """Naive greedy decoding of the held-out sources of a synthetic run with the parameters
+    of ``workdir``'s last checkpoint (``config``: the run's config; ``scratch``: a folder for
+    the task's vocabulary file, so the workdir is not touched).
+
+    Returns per eval batch: (tokens `[rows, target_len]`, targets, margins `[rows]`)."""
+    task = tasks.build_task(config, str(scratch))
+    cfg = TransformerConfig.from_json((workdir / "model_config.json").read_text())
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
+    state, _ = checkpointer.restore()
+    checkpointer.close()
+    model = EncoderDecoder(cfg)
+    out = []
+    for inputs, targets in zip(task.decode_inputs, task.decode_references, strict=True):
+        targets = np.asarray(targets)
+        tokens, margin = naive_greedy(model, state["params"], np.asarray(inputs), targets.shape[1])
+        out.append((tokens, targets, margin))
+    return out
+
+
+def exact_match(tokens: list[np.ndarray], targets: list[np.ndarray]) -> float:
+    """The share of real (not all-PAD) target rows that ``tokens`` equal exactly, NumPy only."""
+    hits = [
+        bool((np.asarray(got)[row] == want[row]).all())
+        for got, want in zip(tokens, targets, strict=True)
+        for row in range(len(want))
+        if want[row].any()
+    ]
+    return float(np.mean(hits))
+
+
+def check_decoding_eval(recorded, decoded, metric: float, min_margin: float = 1e-4) -> None:
+    """Asserts train.py's decoded tokens of its last evaluation (``recorded``: what its
+    ``greedy_decode_in_order`` returned, per batch) equal the naive ones on every real row
+    whose choices were not near-ties (at least 90% of rows), and its ``eval/exact_match`` is
+    the share of those tokens that match the targets."""
+    assert len(recorded) == len(decoded)
+    compared = total = 0
+    for got, (tokens, targets, margin) in zip(recorded, decoded, strict=True):
+        got = np.asarray(got)
+        assert got.shape == tokens.shape, (got.shape, tokens.shape)
+        real = targets.any(axis=1)
+        clear = real & (margin > min_margin)
+        np.testing.assert_array_equal(got[clear], tokens[clear])
+        compared, total = compared + int(clear.sum()), total + int(real.sum())
+    assert compared >= 0.9 * total, f"only {compared} of {total} rows are clear of near-ties"
+    assert metric == exact_match(recorded, [targets for _, targets, _ in decoded])
