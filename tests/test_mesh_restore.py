@@ -86,12 +86,12 @@ def _worker(out: Path) -> None:
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         return {jax.tree_util.keystr(p): np.asarray(jax.device_get(v)) for p, v in flat}
 
-    def shards_ok(leaf) -> bool:
-        """Every device of the leaf's mesh holds the piece of the global value its index
-        names, and nothing else."""
+    def shards_ok(leaf, want) -> bool:
+        """Every device of the target mesh holds the piece of the global value its index
+        names, and no other device holds any."""
         value = np.asarray(jax.device_get(leaf))
         shards = leaf.addressable_shards
-        if {s.device for s in shards} != set(leaf.sharding.mesh.devices.flat):
+        if {s.device for s in shards} != set(want.mesh.devices.flat):
             return False
         return all(np.array_equal(np.asarray(s.data), value[s.index]) for s in shards)
 
@@ -127,9 +127,11 @@ def _worker(out: Path) -> None:
         facts[case] = {
             jax.tree_util.keystr(path): {
                 "spec": [a if a is None or isinstance(a, str) else list(a) for a in want.spec],
-                "mesh": dict(leaf.sharding.mesh.shape),
+                "mesh": dict(leaf.sharding.mesh.shape)
+                if isinstance(leaf.sharding, jax.sharding.NamedSharding)
+                else repr(leaf.sharding),
                 "has_target_sharding": leaf.sharding.is_equivalent_to(want, leaf.ndim),
-                "shards_ok": shards_ok(leaf),
+                "shards_ok": shards_ok(leaf, want),
                 "shard_shape": list(leaf.addressable_shards[0].data.shape),
             }
             for (path, leaf), want in zip(flat, jax.tree_util.tree_leaves(shardings), strict=True)
