@@ -9,6 +9,8 @@ gives different tokens or a different score.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -16,10 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite import EncoderDecoder, TransformerConfig, tasks
+from flaxformer_lite import EncoderDecoder, TransformerConfig, sharding, tasks
 from flaxformer_lite.checkpoints import Checkpointer
 
-PAD_ID, EOS_ID = 0, 1
+PAD_ID, EOS_ID, FIRST_SYMBOL = 0, 1, 4
+
+
+@functools.cache
+def _forward(model: EncoderDecoder):
+    return jax.jit(lambda p, x, y: model.apply({"params": p}, x, y))
 
 
 def naive_greedy(model: EncoderDecoder, params, inputs: np.ndarray, steps: int):
@@ -29,7 +36,7 @@ def naive_greedy(model: EncoderDecoder, params, inputs: np.ndarray, steps: int):
 
     Returns (tokens, margin `[rows]`: the smallest top-1 minus top-2 logit of each row's
     choices, which says how far float rounding is from flipping one)."""
-    apply = jax.jit(lambda p, x, y: model.apply({"params": p}, x, y))
+    apply = _forward(model)
     rows = inputs.shape[0]
     tokens = np.full((rows, steps), PAD_ID, np.int32)
     margin = np.full(rows, np.inf)
@@ -51,17 +58,23 @@ def naive_decoding(config, workdir: Path, scratch: Path):
     of ``workdir``'s last checkpoint (``config``: the run's config; ``scratch``: a folder for
     the task's vocabulary file, so the workdir is not touched).
 
-    Returns per eval batch: (tokens `[rows, target_len]`, targets, margins `[rows]`)."""
+    Returns (the task, the model, its parameters, per eval batch: (tokens
+    `[rows, target_len]`, targets, margins `[rows]`))."""
     task = tasks.build_task(config, str(scratch))
     cfg = TransformerConfig.from_json((workdir / "model_config.json").read_text())
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
     state, _ = checkpointer.restore()
     checkpointer.close()
     model = EncoderDecoder(cfg)
+    return task, model, state["params"], decode_all(task, model, state["params"])
+
+
+def decode_all(task, model, params):
+    """:func:`naive_greedy` of every decode batch of ``task``: (tokens, targets, margins)."""
     out = []
     for inputs, targets in zip(task.decode_inputs, task.decode_references, strict=True):
         targets = np.asarray(targets)
-        tokens, margin = naive_greedy(model, state["params"], np.asarray(inputs), targets.shape[1])
+        tokens, margin = naive_greedy(model, params, np.asarray(inputs), targets.shape[1])
         out.append((tokens, targets, margin))
     return out
 
@@ -93,3 +106,45 @@ def check_decoding_eval(recorded, decoded, metric: float, min_margin: float = 1e
         compared, total = compared + int(clear.sum()), total + int(real.sum())
     assert compared >= 0.9 * total, f"only {compared} of {total} rows are clear of near-ties"
     assert metric == exact_match(recorded, [targets for _, targets, _ in decoded])
+
+
+def check_decode_metric_on_diverse_outputs(train, recorded: list, task, model, params) -> float:
+    """``train.decode_metric`` where the right answer is known and not 0: random parameters
+    (rows decode differently) and references that are the naive decoding
+    itself on even rows and one token off on odd rows. Asserts the decoding eval decodes the
+    naive tokens (``recorded`` collects what ``train.greedy_decode_in_order`` returns) and
+    scores exactly the even rows; returns that score."""
+    rng = np.random.default_rng(1)
+
+    def redraw(path, p):  # as at init, with larger kernels: norms 1, biases 0
+        name = jax.tree_util.keystr(path[-1:])
+        if "scale" in name or "bias" in name:
+            return np.full(p.shape, float("scale" in name), p.dtype)
+        return rng.normal(0.0, 0.3, p.shape).astype(p.dtype)
+
+    params = jax.tree_util.tree_map_with_path(redraw, params)
+    decoded = decode_all(task, model, params)
+    references = []
+    for tokens, targets, _ in decoded:
+        refs = tokens.copy()
+        refs[1::2, 0] = FIRST_SYMBOL + (refs[1::2, 0] + 1) % (model.config.vocab_size - 4)
+        refs[~targets.any(axis=1)] = PAD_ID  # padding rows of the eval set stay padding
+        references.append(refs)
+    rows = np.concatenate([t for t, _, _ in decoded])[np.concatenate(references).any(axis=1)]
+    # Rows decode differently, neighbours too: a decoder that mixes rows up gets caught.
+    distinct = len({tuple(r) for r in rows})
+    changes = int((rows[1:] != rows[:-1]).any(axis=1).sum())
+    assert distinct >= 3 and changes >= len(rows) // 4, (len(rows), distinct, changes)
+    expected = exact_match([t for t, _, _ in decoded], references)
+    assert 0.3 < expected < 0.7, expected
+    task = dataclasses.replace(task, decode_references=references)
+    mesh = sharding.make_mesh((-1, 1, 1))
+    del recorded[:]
+    metrics, _ = train.decode_metric(task, params, model.config, mesh)
+    check_decoding_eval(
+        recorded,
+        [(t, r, m) for (t, _, m), r in zip(decoded, references, strict=True)],
+        metrics["eval/exact_match"],
+    )
+    assert metrics["eval/exact_match"] == expected
+    return expected

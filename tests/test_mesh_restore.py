@@ -177,6 +177,10 @@ def test_checkpoint_restores_bitwise_on_another_mesh_with_its_sharding(restores,
         assert fact["mesh"] == dict(zip(("data", "fsdp", "tensor"), target, strict=True)), name
         assert fact["has_target_sharding"], (name, fact)
         assert fact["shards_ok"], (name, fact)
+    # Step, RNG key and Adam's count are replicated: a whole copy on every device.
+    for name in (".step", ".rng", ".opt_state[0].count"):
+        assert facts[name]["spec"] == [], (name, facts[name])
+        assert facts[name]["shard_shape"] == list(saved[name].shape), (name, facts[name])
     # The target mesh really splits parameters (else any restore would pass the above).
     split = [n for n, f in facts.items() if f["shard_shape"] != list(saved[n].shape)]
     assert (len(split) > len(saved) // 2) == (target != (1, 1, 1)), split

@@ -320,8 +320,13 @@ def test_training_a_scanned_fused_model_then_translating(tmp_path, monkeypatch):
     assert np.isfinite(metrics["eval/loss"])
     # The eval decoded what an uncached one-device decoder of the scanned, fused checkpoint
     # decodes, and scored those tokens right.
-    decoded = exact_match_reference.naive_decoding(c, tmp_path, tmp_path / "scratch")
+    task, model, params, decoded = exact_match_reference.naive_decoding(
+        c, tmp_path, tmp_path / "scratch"
+    )
     exact_match_reference.check_decoding_eval(recorded, decoded, metrics["eval/exact_match"])
+    exact_match_reference.check_decode_metric_on_diverse_outputs(
+        train, recorded, task, model, params
+    )
     saved = json.loads((tmp_path / "model_config.json").read_text())
     assert saved["scan_layers"] is True and saved["fused_qkv"] is True
     translator = Translator.from_workdir(str(tmp_path))

@@ -103,9 +103,16 @@ def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path, monk
     assert [m["step"] for m in evals] == [20, 40]
     # The last evaluation decoded what an independent decoder (uncached, one device) decodes
     # from the last checkpoint, and scored those tokens right.
-    decoded = exact_match_reference.naive_decoding(tiny_config(), tmp_path, tmp_path / "x")
+    # (This tiny run decodes EOS for every row, so its score is 0.)
+    task, model, params, decoded = exact_match_reference.naive_decoding(
+        tiny_config(), tmp_path, tmp_path / "x"
+    )
     exact_match_reference.check_decoding_eval(
         recorded[-len(decoded) :], decoded, metrics["eval/exact_match"]
+    )
+    # The same decoding eval where every row decodes differently and half of them match.
+    exact_match_reference.check_decode_metric_on_diverse_outputs(
+        train, recorded, task, model, params
     )
     assert metrics["eval/loss"] == evals[-1]["eval/loss"]
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
