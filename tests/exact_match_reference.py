@@ -109,11 +109,11 @@ def check_decoding_eval(recorded, decoded, metric: float, min_margin: float = 1e
 
 
 def check_decode_metric_on_diverse_outputs(train, recorded: list, task, model, params) -> float:
-    """``train.decode_metric`` where the right answer is known and not 0: random parameters
-    (rows decode differently) and references that are the naive decoding
-    itself on even rows and one token off on odd rows. Asserts the decoding eval decodes the
-    naive tokens (``recorded`` collects what ``train.greedy_decode_in_order`` returns) and
-    scores exactly the even rows; returns that score."""
+    """``train.decode_metric`` where the right answer is known and not 0: redrawn parameters
+    (rows decode differently) and references that are the naive decoding itself on even rows
+    and one token off on odd rows. Asserts the decoding eval decodes the naive tokens
+    (``recorded`` collects what ``train.greedy_decode_in_order`` returns) and scores exactly
+    the even rows; returns that score."""
     rng = np.random.default_rng(1)
 
     def redraw(path, p):  # as at init, with larger kernels: norms 1, biases 0
