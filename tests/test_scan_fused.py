@@ -276,7 +276,7 @@ def test_translator_unrolls_a_scanned_model_once(scanned_seq2seq):
     assert set(translator.params["encoder"]) == {"layers_0", "layers_1"}
 
 
-def test_training_a_scanned_fused_model_then_translating(tmp_path):
+def test_training_a_scanned_fused_model_then_translating(tmp_path, monkeypatch):
     """train.py end to end (sharded init with the "layers" axis, dropout, decoding eval,
     checkpoints), then the Translator restores the scanned checkpoint."""
     sys.path.insert(0, str(ROOT))
@@ -307,8 +307,26 @@ def test_training_a_scanned_fused_model_then_translating(tmp_path):
     c.log_every = 2
     c.eval_every = 4
     c.checkpoint_every = 4
+    sys.path.insert(0, str(ROOT / "tests"))
+    import exact_match_reference
+
+    recorded, decode = [], train.greedy_decode_in_order  # the tokens the decoding eval gets
+    monkeypatch.setattr(
+        train,
+        "greedy_decode_in_order",
+        lambda *a, **k: recorded.append(decode(*a, **k)) or recorded[-1],
+    )
     metrics = train.train_and_evaluate(c, str(tmp_path))
-    assert np.isfinite(metrics["eval/loss"]) and 0.0 <= metrics["eval/exact_match"] <= 1.0
+    assert np.isfinite(metrics["eval/loss"])
+    # The eval decoded what an uncached one-device decoder of the scanned, fused checkpoint
+    # decodes, and scored those tokens right.
+    task, model, params, decoded = exact_match_reference.naive_decoding(
+        c, tmp_path, tmp_path / "scratch"
+    )
+    exact_match_reference.check_decoding_eval(recorded, decoded, metrics["eval/exact_match"])
+    exact_match_reference.check_decode_metric_on_diverse_outputs(
+        train, recorded, task, model, params
+    )
     saved = json.loads((tmp_path / "model_config.json").read_text())
     assert saved["scan_layers"] is True and saved["fused_qkv"] is True
     translator = Translator.from_workdir(str(tmp_path))

@@ -265,6 +265,22 @@ def test_logical_to_spec_falls_back_rule_by_rule_and_replicates_what_nothing_div
     assert to_spec(kv, (66, 2, 16), {**sizes, "fsdp": 4}) == PartitionSpec(None, None, None)
 
 
-def test_process_rows_slices_this_process():
-    batch = {"x": np.arange(8).reshape(8, 1)}
-    np.testing.assert_array_equal(sharding.process_rows(batch)["x"], batch["x"])
+@pytest.mark.parametrize("count", [1, 2, 4, 8])
+def test_process_rows_partition_the_batch_among_processes(monkeypatch, count):
+    """Process p of P gets rows [p*R/P, (p+1)*R/P) of every array: together, each row exactly
+    once, in order; a row count P does not divide is rejected, naming process_count."""
+    batch = {"x": np.arange(16).reshape(8, 2), "y": np.arange(8)[::-1].copy()}
+    monkeypatch.setattr(jax, "process_count", lambda: count)
+    parts = []
+    for index in range(count):
+        monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+        parts.append(sharding.process_rows(batch))
+    per = 8 // count
+    for index, part in enumerate(parts):
+        assert set(part) == {"x", "y"}
+        np.testing.assert_array_equal(part["y"], batch["y"][index * per : (index + 1) * per])
+    for key in batch:
+        np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), batch[key])
+    if count > 1:
+        with pytest.raises(ValueError, match=f"divisible by process_count \\({count}\\)"):
+            sharding.process_rows({"x": np.arange(count + 1)})

@@ -26,6 +26,9 @@ from flaxformer_lite import losses, optim  # noqa: E402
 from flaxformer_lite.checkpoints import Checkpointer, finished_steps  # noqa: E402
 from flaxformer_lite.metrics import read_metrics  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))
+import exact_match_reference  # noqa: E402
+
 
 def load_config(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
@@ -68,7 +71,21 @@ def final_params(workdir: Path | str):
     return state, data
 
 
-def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path):
+def record_decoding(monkeypatch) -> list:
+    """Makes train.py's decoding eval also append the tokens it decodes to the list returned."""
+    recorded = []
+    decode = train.greedy_decode_in_order
+
+    def recording(*args, **kwargs):
+        recorded.append(decode(*args, **kwargs))
+        return recorded[-1]
+
+    monkeypatch.setattr(train, "greedy_decode_in_order", recording)
+    return recorded
+
+
+def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path, monkeypatch):
+    recorded = record_decoding(monkeypatch)
     metrics = train.train_and_evaluate(tiny_config(), str(tmp_path))
     lines = read_metrics(str(tmp_path))
     train_losses = [m["train/loss"] for m in lines if "train/loss" in m]
@@ -84,7 +101,19 @@ def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path):
         assert key in lines[0]
     evals = [m for m in lines if "eval/exact_match" in m]
     assert [m["step"] for m in evals] == [20, 40]
-    assert 0.0 <= metrics["eval/exact_match"] <= 1.0
+    # The last evaluation decoded what an independent decoder (uncached, one device) decodes
+    # from the last checkpoint, and scored those tokens right.
+    # (This tiny run decodes EOS for every row, so its score is 0.)
+    task, model, params, decoded = exact_match_reference.naive_decoding(
+        tiny_config(), tmp_path, tmp_path / "x"
+    )
+    exact_match_reference.check_decoding_eval(
+        recorded[-len(decoded) :], decoded, metrics["eval/exact_match"]
+    )
+    # The same decoding eval where every row decodes differently and half of them match.
+    exact_match_reference.check_decode_metric_on_diverse_outputs(
+        train, recorded, task, model, params
+    )
     assert metrics["eval/loss"] == evals[-1]["eval/loss"]
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [20, 30, 40]  # keep_checkpoints=3
