@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from flaxformer_lite import sharding
 from flaxformer_lite.config import TransformerConfig
@@ -357,11 +357,16 @@ def test_sampling_without_rng_fails(params, inputs):
 
 
 def test_cache_sharding_splits_batch_and_divisible_kv_heads():
-    devices = np.asarray(jax.devices()[:1]).reshape(1, 1, 1)
-    mesh = Mesh(devices, sharding.MESH_AXES)
-    # A 1-device mesh divides everything: [batch, length, kv_heads, head_dim] -> batch, heads.
+    # AbstractMesh: the rule needs only axis sizes. [batch, length, kv_heads, head_dim]: batch
+    # 6 over data x fsdp = 2, kv_heads 4 over tensor 2; scalars (the cache index) replicated.
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((1, 2, 2), sharding.MESH_AXES)
     spec = sharding.cache_sharding((6, 10, 4, 8), mesh).spec
     assert spec == PartitionSpec(("data", "fsdp"), None, "tensor", None)
+    assert sharding.cache_sharding((6, 10, 3, 8), mesh).spec == PartitionSpec(
+        ("data", "fsdp"), None, None, None
+    )
     assert sharding.cache_sharding((), mesh).spec == PartitionSpec()
 
 
