@@ -308,7 +308,7 @@ def test_training_a_scanned_fused_model_then_translating(tmp_path):
     c.eval_every = 4
     c.checkpoint_every = 4
     metrics = train.train_and_evaluate(c, str(tmp_path))
-    assert np.isfinite(metrics["eval/loss"]) and 0.0 <= metrics["eval/exact_match"] <= 1.0
+    assert np.isfinite(metrics["eval/smoothed_kl"]) and 0.0 <= metrics["eval/exact_match"] <= 1.0
     saved = json.loads((tmp_path / "model_config.json").read_text())
     assert saved["scan_layers"] is True and saved["fused_qkv"] is True
     translator = Translator.from_workdir(str(tmp_path))
