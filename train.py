@@ -412,10 +412,11 @@ class LogWindow:
     """The train steps since the last ``train/`` metrics line.
 
     ``sums``, ``grad_norm_sum`` and ``steps`` cover every step of the window; ``tokens``,
-    ``flops`` and ``seconds`` only the timed ones. The clock runs from the sync after a run's
-    first step (the one that compiles) and is stopped at every sync point the loop makes for
-    a log line, an evaluation or a checkpoint save, until that work is done; so throughput and
-    MFU exclude compilation, evaluation and saving.
+    ``flops`` and ``seconds`` only the timed ones. The loop stops the clock at each of its
+    sync points (a log line, an evaluation, a checkpoint save, and around a step whose batch
+    shapes are new, i.e. that compiles: a run's first step, a new length bucket) and starts
+    it again when that work is done; so throughput and MFU exclude compilation, evaluation
+    and saving.
     """
 
     sums: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(SUM_KEYS, 0.0))
@@ -639,6 +640,7 @@ def train_and_evaluate(
     # Preemption: SIGTERM on any process; every process saves the same step and returns.
     preemption = Preemption()
     window, pending = LogWindow(), []
+    compiled_shapes: set[tuple] = set()  # batch shapes step_fn has been compiled for
     eval_metrics: dict[str, float] = {}
     sync = functools.partial(
         fetch_into,
@@ -650,19 +652,25 @@ def train_and_evaluate(
         with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
             for step in range(start_step, config.num_train_steps):
                 batch = sharding.host_local_to_global(task.train.next(), mesh)
+                shapes = tuple((k, v.shape) for k, v in sorted(batch.items()))
+                compiles = shapes not in compiled_shapes  # the first step, a new bucket
+                if compiles:  # time the steps before it, then leave it (and its compile) out
+                    sync(window, pending)
+                    pending = []
+                    window.stop_clock(clock())
+                    compiled_shapes.add(shapes)
                 timed = window.running_since is not None
                 state, metrics = step_fn(state, batch)
                 done = step + 1
                 batch_flops = batch_train_flops(task.kind, cfg, batch)
                 pending.append(PendingStep(done, metrics, batch_flops, timed))
                 bar.update(1)
-                compiled = done == start_step + 1  # this run's first step compiled step_fn
                 log_now = done % config.log_every == 0
                 save_now = done % config.checkpoint_every == 0 and done != config.num_train_steps
                 eval_now = bool(config.eval_every) and done % config.eval_every == 0
                 preempted = preemption.reached(done - start_step)  # every step, in order
                 stop = preempted or (stop_at is not None and done >= stop_at)
-                if not (compiled or log_now or save_now or eval_now or stop):
+                if not (compiles or log_now or save_now or eval_now or stop):
                     continue
                 # A sync point: wait for the pending steps (a non-finite one raises before
                 # anything is saved after it) and stop the clock while logging, saving and
