@@ -4,7 +4,8 @@ Orbax writes each step into a temporary directory and renames it when complete (
 which has no rename, it writes ``commit_success.txt`` last instead), so a run killed mid-save
 leaves the previous checkpoint intact; the unfinished step is ignored on restart. Saving is
 asynchronous: training continues while the arrays are written. The directory may be local or a
-``gs://`` URI (tensorstore writes the arrays there directly).
+``gs://`` URI (tensorstore writes the arrays there directly). ``choose_steps`` finds the
+steps a reader loads: the latest finished one, a given one, or the last few for averaging.
 """
 
 from __future__ import annotations
