@@ -13,11 +13,14 @@ the same step and exit 0: the checkpoint is safely written, so rerunning the com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxformer_lite import data, flops, lm_task, losses, optim, paths, preflight, sharding, tasks
 from flaxformer_lite.checkpoints import Checkpointer
@@ -122,15 +125,24 @@ def forward(model: nn.Module, kind: str, params, batch, *, deterministic: bool, 
     return logits, targets, (targets != 0).astype(jnp.float32)
 
 
+SUM_KEYS = ("smoothed_kl", "nll", "count", "correct")
+
+
 def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng=None):
-    """(smoothed loss sum, aux sums): summed so micro-batches and devices add up exactly."""
+    """(objective sum, aux sums), summed so micro-batches and devices add up exactly.
+
+    The objective is ``losses.smoothed_cross_entropy``: the label-smoothed cross-entropy minus
+    the smoothed target's entropy, i.e. the KL divergence from the smoothed target to the
+    model (0 for a perfect prediction; the plain cross-entropy when ``label_smoothing`` is 0),
+    hence the key ``smoothed_kl``. ``nll`` is the unsmoothed cross-entropy of the labels.
+    """
     logits, labels, weights = forward(
         model, kind, params, batch, deterministic=deterministic, rng=rng
     )
-    loss, count = losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing)
+    kl, count = losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing)
     nll, _ = losses.smoothed_cross_entropy(logits, labels, weights, 0.0)
     correct = losses.correct_predictions(logits, labels, weights)
-    return loss, {"loss": loss, "nll": nll, "count": count, "correct": correct}
+    return kl, {"smoothed_kl": kl, "nll": nll, "count": count, "correct": correct}
 
 
 # ----------------------------------------------------------------------------- steps
@@ -179,21 +191,47 @@ def train_step(
     new_state = state.replace(
         step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state
     )
-    finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
-    if skip_nonfinite:  # keep the old parameters; the step counter still advances
-        kept = state.replace(step=state.step + 1)
-        new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new_state, kept)
+    # Finite loss and gradient, and finite new parameters: an overflowing update (a huge
+    # learning rate) must not pass as a good step and be checkpointed.
+    finite = (
+        jnp.isfinite(sums["smoothed_kl"]) & jnp.isfinite(grad_norm) & all_finite(new_state.params)
+    )
+    if skip_nonfinite:
+        new_state = keep_counters_only(finite, new_state, state)
     metrics = {
         **sums,
         "grad_norm": grad_norm,
-        "learning_rate": schedule(state.step),
+        "learning_rate": schedule(state.step),  # the rate of this update (count == step)
         "finite": finite,
     }
     return new_state, metrics
 
 
+def all_finite(tree) -> jax.Array:
+    """Whether every element of every leaf is finite (bool scalar)."""
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree)]))
+
+
+def keep_counters_only(finite: jax.Array, new_state: TrainState, old_state: TrainState):
+    """``new_state`` if ``finite``, else ``old_state`` with ``new_state``'s counters.
+
+    Counters are the integer leaves: ``step`` and the optimizer's counts (Adam's bias
+    correction, the learning-rate schedule's). A skipped step keeps the parameters and the
+    optimizer's moments but advances every counter, as it advances the data stream, so the
+    schedule's count stays equal to ``state.step`` and the logged learning rate
+    (``schedule(step)``) is the one the next update uses.
+    """
+
+    def pick(new, old):
+        if jnp.issubdtype(new.dtype, jnp.integer):
+            return new
+        return jnp.where(finite, new, old)
+
+    return jax.tree_util.tree_map(pick, new_state, old_state)
+
+
 def _zero_sums() -> dict[str, jax.Array]:
-    return {k: jnp.zeros((), jnp.float32) for k in ("loss", "nll", "count", "correct")}
+    return {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS}
 
 
 def eval_step(params, batch, *, model, kind, label_smoothing):
@@ -202,10 +240,11 @@ def eval_step(params, batch, *, model, kind, label_smoothing):
 
 
 def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
-    """Loss, accuracy and perplexity from summed counts."""
+    """Per-token means from summed counts: ``smoothed_kl`` (the training objective, see
+    ``loss_sums``), accuracy, and the perplexity of the unsmoothed cross-entropy."""
     count = max(sums["count"], 1.0)
     return {
-        f"{prefix}/loss": sums["loss"] / count,
+        f"{prefix}/smoothed_kl": sums["smoothed_kl"] / count,
         f"{prefix}/accuracy": sums["correct"] / count,
         f"{prefix}/perplexity": float(np.exp(min(sums["nll"] / count, 50.0))),
     }
@@ -364,6 +403,141 @@ class Preemption:
             self._previous = None
 
 
+# ----------------------------------------------------------------------------- logging window
+
+clock = time.perf_counter  # the loop's timer (seconds); tests substitute a fake one
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A step whose metrics are still on the device (fetched at the next sync point, so the
+    loop never waits for the device step by step)."""
+
+    step: int  # steps done after it
+    metrics: dict[str, jax.Array]
+    flops: float  # analytic model FLOPs of its batch
+    timed: bool  # dispatched while the window's clock ran
+
+
+@dataclasses.dataclass
+class LogWindow:
+    """The train steps since the last ``train/`` metrics line.
+
+    ``sums``, ``grad_norm_sum`` and ``steps`` cover every step of the window; ``tokens``,
+    ``flops`` and ``seconds`` only the timed ones. The loop stops the clock at each of its
+    sync points (a log line, an evaluation, a checkpoint save, and around a step whose batch
+    shapes are new, i.e. that compiles: a run's first step, a new length bucket) and starts
+    it again when that work is done; so throughput and MFU exclude compilation, evaluation
+    and saving.
+    """
+
+    sums: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(SUM_KEYS, 0.0))
+    grad_norm_sum: float = 0.0
+    steps: int = 0
+    learning_rate: float = math.nan  # of the window's last step
+    tokens: float = 0.0  # real (non-padding) target tokens of the timed steps
+    flops: float = 0.0
+    seconds: float = 0.0
+    running_since: float | None = None  # clock() when the clock last started; None: stopped
+
+    def add(self, metrics: dict[str, Any], flops: float, timed: bool) -> None:
+        """Adds one step's host metrics (see ``train_step``)."""
+        for k in SUM_KEYS:
+            self.sums[k] += float(metrics[k])
+        self.grad_norm_sum += float(metrics["grad_norm"])
+        self.steps += 1
+        self.learning_rate = float(metrics["learning_rate"])
+        if timed:
+            self.tokens += float(metrics["count"])
+            self.flops += flops
+
+    def start_clock(self, now: float) -> None:
+        self.running_since = now
+
+    def stop_clock(self, now: float) -> None:
+        if self.running_since is not None:
+            self.seconds += now - self.running_since
+            self.running_since = None
+
+    def summary(self, peak_flops: float) -> dict[str, float]:
+        """The ``train/`` metrics line: per-token means, the last learning rate, the mean
+        gradient norm, and (when some step was timed) tokens per second and MFU."""
+        metrics = summarize(self.sums, "train")
+        metrics["train/learning_rate"] = self.learning_rate
+        metrics["train/grad_norm"] = self.grad_norm_sum / max(self.steps, 1)
+        if self.seconds > 0.0:
+            metrics["train/tokens_per_second"] = self.tokens / self.seconds
+            metrics["train/mfu"] = self.flops / self.seconds / peak_flops
+        return metrics
+
+
+def fetch_into(
+    window: LogWindow, pending: list[PendingStep], *, skip_nonfinite: bool, checkpoint_dir: str
+) -> None:
+    """Waits for the ``pending`` steps, adds their metrics to ``window``; raises
+    FloatingPointError at the first non-finite step unless such steps are skipped."""
+    for p, metrics in zip(pending, jax.device_get([p.metrics for p in pending]), strict=True):
+        if not metrics["finite"] and not skip_nonfinite:
+            raise FloatingPointError(
+                f"non-finite loss, gradient or parameters at step {p.step}; the last good "
+                f"checkpoint in {checkpoint_dir} is kept (set skip_nonfinite_steps=True to skip)"
+            )
+        window.add(metrics, p.flops, p.timed)
+
+
+# ----------------------------------------------------------------------------- evaluation, saving
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The parts of a run that stay fixed while it trains."""
+
+    config: Any
+    task: tasks.Task
+    cfg: TransformerConfig
+    mesh: Mesh
+    eval_fn: Callable
+    checkpointer: Checkpointer
+    writer: MetricWriter
+    log: Callable[..., None]
+
+
+def evaluate(run: Run, params, step: int) -> dict[str, float]:
+    """Eval-set metrics (and decoding metrics when the task has them) of ``params``, written
+    to ``metrics.jsonl`` and logged."""
+    totals = dict.fromkeys(SUM_KEYS, 0.0)
+    for batch in run.task.eval_batches:
+        batch = sharding.host_local_to_global(sharding.process_rows(batch), run.mesh)
+        for k, v in jax.device_get(run.eval_fn(params, batch)).items():
+            totals[k] += float(v)
+    metrics = summarize(totals, "eval")
+    if run.task.decode_inputs and run.config.decode_eval:
+        decoded, examples = decode_metric(run.task, params, run.cfg, run.mesh)
+        metrics.update(decoded)
+        for src, hyp, ref in examples:
+            run.log(f"  {src!r} -> {hyp!r} (reference {ref!r})")
+    if run.task.kind == "lm" and run.config.decode_eval:
+        run.log(f"  sample: {lm_sample(run.task, params, run.cfg, step, run.mesh)!r}")
+    run.writer.write(step, metrics)
+    run.log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+def write_train_line(run: Run, step: int, window: LogWindow, peak_flops: float, bar) -> None:
+    """Writes ``window``'s ``train/`` metrics at ``step`` and shows them on the progress bar."""
+    metrics = window.summary(peak_flops)
+    run.writer.write(step, metrics)
+    tok_s = metrics.get("train/tokens_per_second", math.nan)
+    mfu = 100 * metrics.get("train/mfu", math.nan)
+    bar.set_postfix(kl=f"{metrics['train/smoothed_kl']:.3f}", tok_s=f"{tok_s:.0f}",
+                    mfu=f"{mfu:.0f}%")  # fmt: skip
+
+
+def save_checkpoint(run: Run, step: int, state: TrainState, *, force: bool = False) -> None:
+    """Saves ``state`` and the data position as checkpoint ``step`` (asynchronously)."""
+    run.checkpointer.save(step, state, {"train": run.task.train.state()}, force=force)
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -450,43 +624,26 @@ def train_and_evaluate(
             eval_step, model=model, kind=task.kind, label_smoothing=config.label_smoothing
         )
     )
+    run = Run(
+        config=config,
+        task=task,
+        cfg=cfg,
+        mesh=mesh,
+        eval_fn=eval_fn,
+        checkpointer=checkpointer,
+        writer=MetricWriter(workdir, active=is_main),
+        log=log,
+    )
 
-    def evaluate(step: int) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        for batch in task.eval_batches:
-            batch = sharding.host_local_to_global(sharding.process_rows(batch), mesh)
-            sums = jax.device_get(eval_fn(state.params, batch))
-            for k, v in sums.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
-        metrics = summarize(totals, "eval")
-        if task.decode_inputs and config.decode_eval:
-            decoded, examples = decode_metric(task, state.params, cfg, mesh)
-            metrics.update(decoded)
-            for src, hyp, ref in examples:
-                log(f"  {src!r} -> {hyp!r} (reference {ref!r})")
-        if task.kind == "lm" and config.decode_eval:
-            log(f"  sample: {lm_sample(task, state.params, cfg, step, mesh)!r}")
-        writer.write(step, metrics)
-        log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
-
-    # Preemption: SIGTERM on any process; every process saves the same step and returns.
-    preemption = Preemption()
-
-    writer = MetricWriter(workdir, active=is_main)
-    start_step = int(state.step)
-    pending: list[tuple[int, dict]] = []  # device metrics, fetched at log time (no per-step sync)
-    eval_metrics: dict[str, float] = {}
-    last_log_time, last_log_step = time.time(), start_step
-    # MFU: analytic model FLOPs of the steps since the last log over this machine's measured
-    # matmul peak (per device, times the device count). On a CPU a 1024-square matmul reaches
-    # the peak of a 2048 one (67.8 vs 68.9 GFLOP/s measured on a 2-core EPYC) in a sixth of the
-    # time (1.4 s vs 8.6 s, paid at every start); accelerators need a larger product to fill.
+    # MFU: analytic model FLOPs of the timed steps over this machine's measured matmul peak
+    # (per device, times the device count). On a CPU a 1024-square matmul reaches the peak of
+    # a 2048 one (67.8 vs 68.9 GFLOP/s measured on a 2-core EPYC) in a sixth of the time (1.4 s
+    # vs 8.6 s, paid at every start); accelerators need a larger product to fill.
     size = 1024 if jax.default_backend() == "cpu" else 4096
     peak = flops.matmul_peak_flops(size, dtype=cfg.compute_dtype) * jax.device_count()
-    step_flops = {"sum": 0.0}
     from tqdm import tqdm
 
+    start_step = int(state.step)
     bar = tqdm(
         total=config.num_train_steps,
         initial=start_step,
@@ -494,74 +651,74 @@ def train_and_evaluate(
         dynamic_ncols=True,
         desc="train",
     )
-
-    def flush_train_metrics(step: int) -> None:
-        """Fetches pending step metrics, stops on a non-finite loss, logs averages."""
-        nonlocal last_log_time, last_log_step
-        fetched = jax.device_get(pending)
-        pending.clear()
-        for s, m in fetched:
-            if not m["finite"] and not config.skip_nonfinite_steps:
-                raise FloatingPointError(
-                    f"non-finite loss or gradient at step {s}; the last good checkpoint in "
-                    f"{checkpointer.directory} is kept (set skip_nonfinite_steps=True to skip)"
-                )
-        if not fetched:
-            return
-        totals = {k: sum(float(m[k]) for _, m in fetched) for k in _zero_sums()}
-        elapsed = time.time() - last_log_time
-        metrics = summarize(totals, "train")
-        metrics["train/learning_rate"] = float(fetched[-1][1]["learning_rate"])
-        metrics["train/grad_norm"] = float(np.mean([m["grad_norm"] for _, m in fetched]))
-        metrics["train/tokens_per_second"] = totals["count"] / max(elapsed, 1e-9)
-        metrics["train/mfu"] = step_flops["sum"] / max(elapsed, 1e-9) / peak
-        step_flops["sum"] = 0.0
-        writer.write(step, metrics)
-        bar.set_postfix(
-            loss=f"{metrics['train/loss']:.3f}",
-            tok_s=f"{metrics['train/tokens_per_second']:.0f}",
-            mfu=f"{100 * metrics['train/mfu']:.0f}%",
-        )
-        last_log_time, last_log_step = time.time(), step
-
-    def save(step: int, force: bool = False) -> None:
-        flush_train_metrics(step)  # never save parameters after a non-finite step
-        checkpointer.save(step, state, {"train": task.train.state()}, force=force)
+    # Preemption: SIGTERM on any process; every process saves the same step and returns.
+    preemption = Preemption()
+    window, pending = LogWindow(), []
+    compiled_shapes: set[tuple] = set()  # batch shapes step_fn has been compiled for
+    eval_metrics: dict[str, float] = {}
+    sync = functools.partial(
+        fetch_into,
+        skip_nonfinite=config.skip_nonfinite_steps,
+        checkpoint_dir=checkpointer.directory,
+    )
 
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
             for step in range(start_step, config.num_train_steps):
                 batch = sharding.host_local_to_global(task.train.next(), mesh)
+                shapes = tuple((k, v.shape) for k, v in sorted(batch.items()))
+                compiles = shapes not in compiled_shapes  # the first step, a new bucket
+                if compiles:  # time the steps before it, then leave it (and its compile) out
+                    sync(window, pending)
+                    pending = []
+                    window.stop_clock(clock())
+                    compiled_shapes.add(shapes)
+                timed = window.running_since is not None
                 state, metrics = step_fn(state, batch)
-                pending.append((step + 1, metrics))
-                step_flops["sum"] += batch_train_flops(task.kind, cfg, batch)
-                bar.update(1)
                 done = step + 1
-                if done % config.log_every == 0:
-                    flush_train_metrics(done)
-                if done % config.checkpoint_every == 0 and done != config.num_train_steps:
-                    save(done)
-                if config.eval_every and done % config.eval_every == 0:
-                    flush_train_metrics(done)
-                    eval_metrics = evaluate(done)
-                if preemption.reached(done - start_step):
+                batch_flops = batch_train_flops(task.kind, cfg, batch)
+                pending.append(PendingStep(done, metrics, batch_flops, timed))
+                bar.update(1)
+                log_now = done % config.log_every == 0
+                save_now = done % config.checkpoint_every == 0 and done != config.num_train_steps
+                eval_now = bool(config.eval_every) and done % config.eval_every == 0
+                preempted = preemption.reached(done - start_step)  # every step, in order
+                stop = preempted or (stop_at is not None and done >= stop_at)
+                if not (compiles or log_now or save_now or eval_now or stop):
+                    continue
+                # A sync point: wait for the pending steps (a non-finite one raises before
+                # anything is saved after it) and stop the clock while logging, saving and
+                # evaluating.
+                sync(window, pending)
+                pending = []
+                window.stop_clock(clock())
+                if log_now or stop:  # a stopped run logs its last, partial window
+                    write_train_line(run, done, window, peak, bar)
+                    window = LogWindow()
+                if preempted:
                     print(f"SIGTERM: saving step {done}; rerun to resume", flush=True)
-                    save(done, force=True)  # `finally` waits until it is on disk
+                if save_now or stop:
+                    save_checkpoint(run, done, state, force=stop)  # `finally` waits for it
+                if stop:
                     return {}
-                if stop_at is not None and done >= stop_at:
-                    save(done, force=True)
-                    return {}
+                if eval_now:
+                    eval_metrics = evaluate(run, state.params, done)
+                window.start_clock(clock())
+
             final = int(state.step)
+            sync(window, pending)
+            window.stop_clock(clock())
+            if window.steps:  # the last, partial window
+                write_train_line(run, final, window, peak, bar)
             if final not in checkpointer.all_steps():
-                save(final, force=True)
+                save_checkpoint(run, final, state, force=True)
             if not eval_metrics or (config.eval_every and final % config.eval_every):
-                flush_train_metrics(final)
-                eval_metrics = evaluate(final)
+                eval_metrics = evaluate(run, state.params, final)
     finally:
         bar.close()
         preemption.close()
         checkpointer.close()
-        writer.close()
+        run.writer.close()
     return eval_metrics
 
 

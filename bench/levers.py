@@ -152,7 +152,7 @@ def interleaved(runs: dict, rounds: int, steps: int) -> dict[str, list[float]]:
 
 
 def first_loss(metrics) -> float:
-    return float(metrics["loss"]) / max(float(metrics["count"]), 1.0)
+    return float(metrics["smoothed_kl"]) / max(float(metrics["count"]), 1.0)
 
 
 def shared_params(spec: dict):
@@ -370,7 +370,7 @@ def time_padding(rows: list[dict], spec: dict, rounds: int, steps: int, params) 
             def run(n, compiled=compiled, batch=batch):
                 for _ in range(n):
                     holder["state"], metrics = compiled(holder["state"], batch)
-                jax.block_until_ready(metrics["loss"])
+                jax.block_until_ready(metrics["smoothed_kl"])
 
             runs[label] = run
             print(f"(f) padding, {label}: compiled in {seconds:.1f} s", flush=True)

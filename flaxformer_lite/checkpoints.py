@@ -4,7 +4,8 @@ Orbax writes each step into a temporary directory and renames it when complete (
 which has no rename, it writes ``commit_success.txt`` last instead), so a run killed mid-save
 leaves the previous checkpoint intact; the unfinished step is ignored on restart. Saving is
 asynchronous: training continues while the arrays are written. The directory may be local or a
-``gs://`` URI (tensorstore writes the arrays there directly).
+``gs://`` URI (tensorstore writes the arrays there directly). ``choose_steps`` finds the
+steps a reader loads: the latest finished one, a given one, or the last few for averaging.
 """
 
 from __future__ import annotations
@@ -110,3 +111,44 @@ def finished_steps(directory: str) -> list[int]:
     not listed (Orbax's own test: no temporary name locally, ``commit_success.txt`` on GCS)."""
     paths.refresh(directory)  # another process (a training job) may have added steps
     return sorted(ocp.utils.checkpoint_steps(paths.resolve(directory)))
+
+
+def state_steps(directory: str) -> list[int]:
+    """Sorted finished steps of ``directory`` that hold a train state (``finished_steps``
+    with a ``state`` item), so a step still being written, or left half written by a killed
+    run, is never read."""
+    root = paths.resolve(directory)
+    return [s for s in finished_steps(directory) if (root / str(s) / "state").is_dir()]
+
+
+def choose_steps(directory: str, *, step: int | None = None, average: int = 1) -> list[int]:
+    """The checkpoint steps of a ``train.py`` run's ``checkpoints/`` folder to load: ``step``
+    (None: the latest) and the ``average - 1`` finished steps before it, oldest first.
+
+    Raises:
+      FileNotFoundError: no checkpoint in ``directory``, or none at ``step`` (the message
+        names the folder and the available steps).
+      ValueError: ``average`` is not a positive int, or fewer than ``average`` steps are kept
+        up to ``step``.
+    """
+    steps = state_steps(directory)
+    if not steps:
+        workdir = paths.resolve(directory).parent
+        raise FileNotFoundError(
+            f"no checkpoint in {directory}: train first (train.py --workdir {workdir})"
+        )
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise FileNotFoundError(
+            f"no checkpoint for step {step} in {directory}; available steps: {steps}"
+        )
+    if isinstance(average, bool) or not isinstance(average, int) or average < 1:
+        raise ValueError(f"average must be a positive int; got {average!r}")
+    chosen = [s for s in steps if s <= step][-average:]
+    if len(chosen) < average:
+        raise ValueError(
+            f"average={average} needs {average} checkpoints up to step {step} in "
+            f"{directory}; there are {len(chosen)}: {chosen} (raise keep_checkpoints)"
+        )
+    return chosen

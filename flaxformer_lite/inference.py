@@ -100,19 +100,6 @@ def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _checkpoint_steps(checkpoint_dir: str) -> list[int]:
-    """Finished checkpoint steps that hold a train state (local or ``gs://``): Orbax's own test
-    of completeness (``checkpoints.finished_steps``), so a step still being written, or left
-    half written by a killed run, is never read."""
-    from flaxformer_lite.checkpoints import finished_steps  # orbax: only when needed
-
-    return [
-        s
-        for s in finished_steps(checkpoint_dir)
-        if (epath.Path(checkpoint_dir) / str(s) / "state").is_dir()
-    ]
-
-
 def average_params(checkpoint_dir: str, steps: Sequence[int], expected: Any) -> Any:
     """Element-wise mean of the parameters saved at ``steps`` (checkpoint averaging), each read
     and checked as by :func:`restore_params`; summed in float64, returned in the saved dtypes."""
@@ -309,25 +296,10 @@ class Translator:
                 )
 
         checkpoint_dir = str(root / "checkpoints")
-        steps = _checkpoint_steps(checkpoint_dir)
-        if not steps:
-            raise FileNotFoundError(
-                f"no checkpoint in {checkpoint_dir}: train first (train.py --workdir {workdir})"
-            )
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise FileNotFoundError(
-                f"no checkpoint for step {step} in {checkpoint_dir}; available steps: {steps}"
-            )
-        if isinstance(average, bool) or not isinstance(average, int) or average < 1:
-            raise ValueError(f"average must be a positive int; got {average!r}")
-        chosen = [s for s in steps if s <= step][-average:]
-        if len(chosen) < average:
-            raise ValueError(
-                f"average={average} needs {average} checkpoints up to step {step} in "
-                f"{checkpoint_dir}; there are {len(chosen)}: {chosen} (raise keep_checkpoints)"
-            )
+        from flaxformer_lite.checkpoints import choose_steps  # orbax: only when needed
+
+        chosen = choose_steps(checkpoint_dir, step=step, average=average)
+        step = chosen[-1]
         expected = cls.abstract_params(config)
         params = average_params(checkpoint_dir, chosen, expected)
         label = f"step {step}" if average == 1 else f"mean of steps {chosen}"

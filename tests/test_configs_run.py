@@ -141,9 +141,9 @@ def test_config_trains_a_few_steps_and_reports_its_metrics(name, data, tmp_path,
     assert promised <= set(metrics), sorted(metrics)
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     lines = read_metrics(str(tmp_path))
-    losses = [m["train/loss"] for m in lines if "train/loss" in m]
+    losses = [m["train/smoothed_kl"] for m in lines if "train/smoothed_kl" in m]
     assert len(losses) == STEPS // LOOP["log_every"] and all(map(math.isfinite, losses))
-    assert [m["step"] for m in lines if "eval/loss" in m] == [STEPS]
+    assert [m["step"] for m in lines if "eval/smoothed_kl" in m] == [STEPS]
     # The last step's checkpoint is complete and restores, data position included.
     assert finished_steps(str(tmp_path / "checkpoints"))[-1] == STEPS
     checkpointer = Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
@@ -155,7 +155,7 @@ def test_config_trains_a_few_steps_and_reports_its_metrics(name, data, tmp_path,
     assert {k: saved[k] for k in TINY_MODEL} == TINY_MODEL
     if name == "lm_tinyshakespeare":
         # No label smoothing: the loss is the mean negative log-likelihood.
-        assert metrics["eval/perplexity"] == pytest.approx(math.exp(metrics["eval/loss"]))
+        assert metrics["eval/perplexity"] == pytest.approx(math.exp(metrics["eval/smoothed_kl"]))
         assert "sample:" in out
     if "eval/bleu" in promised:
         assert 0.0 <= metrics["eval/bleu"] <= 100.0

@@ -90,8 +90,8 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     # lines, then the resumed run's, each equal to the reference's line of that step.
     def losses(workdir: str) -> tuple[list[tuple[int, float]], dict[str, float]]:
         lines = read_metrics(workdir)
-        train = [(m["step"], m["train/loss"]) for m in lines if "train/loss" in m]
-        (final,) = [m for m in lines if "eval/loss" in m]
+        train = [(m["step"], m["train/smoothed_kl"]) for m in lines if "train/smoothed_kl" in m]
+        (final,) = [m for m in lines if "eval/smoothed_kl" in m]
         assert final["step"] == STEPS
         return train, {k: v for k, v in final.items() if k.startswith("eval/")}
 
@@ -101,7 +101,8 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     assert set(train) == set(expected) and final_eval == expected_eval
     assert len(train) > len([s for s, _ in expected if s > saved[-1]])  # pre-kill lines kept
     scalars = _tensorboard_scalars(f"{run}/tensorboard")
-    assert {("train/loss", s) for s, _ in expected} | {("eval/loss", STEPS)} <= scalars
+    expected_scalars = {("train/smoothed_kl", s) for s, _ in expected}
+    assert expected_scalars | {("eval/smoothed_kl", STEPS)} <= scalars
     for name in ("config.json", "model_config.json", "vocab.json"):
         assert (epath.Path(run) / name).read_text() == (tmp_path / "reference" / name).read_text()
 

@@ -85,7 +85,7 @@ def final_loss(workdir: Path) -> float:
     import json
 
     lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if "train/loss" in m][-1]["train/loss"]
+    return [m for m in lines if "train/smoothed_kl" in m][-1]["train/smoothed_kl"]
 
 
 def assert_same_params(a, b, atol=1e-5):

@@ -88,7 +88,7 @@ def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path, monk
     recorded = record_decoding(monkeypatch)
     metrics = train.train_and_evaluate(tiny_config(), str(tmp_path))
     lines = read_metrics(str(tmp_path))
-    train_losses = [m["train/loss"] for m in lines if "train/loss" in m]
+    train_losses = [m["train/smoothed_kl"] for m in lines if "train/smoothed_kl" in m]
     assert len(train_losses) == 4
     assert train_losses[-1] < 0.9 * train_losses[0]  # from ln(10) (uniform digits) down
     for key in (
@@ -114,7 +114,7 @@ def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path, monk
     exact_match_reference.check_decode_metric_on_diverse_outputs(
         train, recorded, task, model, params
     )
-    assert metrics["eval/loss"] == evals[-1]["eval/loss"]
+    assert metrics["eval/smoothed_kl"] == evals[-1]["eval/smoothed_kl"]
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [20, 30, 40]  # keep_checkpoints=3
     saved = json.loads((tmp_path / "model_config.json").read_text())
@@ -193,8 +193,7 @@ def _wait_for_checkpoint(workdir: Path | str, proc: subprocess.Popen, timeout: f
 
 # SIGKILL (no chance to save) is tested in tests/test_gcs.py, against a bucket, where the
 # resumed run must also end bitwise equal to an uninterrupted one.
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
-def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, sig):
+def test_sigterm_saves_the_step_it_prints_and_the_rerun_resumes_there(tmp_path):
     workdir = tmp_path / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
@@ -204,27 +203,31 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, sig):
         text=True,
         env=env,
     )
-    first = _wait_for_checkpoint(workdir, proc)
-    proc.send_signal(sig)
+    _wait_for_checkpoint(workdir, proc)
+    proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved and saved[-1] >= first
-    if sig == signal.SIGTERM:
-        # A preempted run saves the step it names and exits 0: its checkpoint is written.
-        assert proc.returncode == 0, out
-        printed = [int(s) for s in re.findall(r"SIGTERM: saving step (\d+)", out)]
-        assert printed == [saved[-1]], out[-3000:]
-        assert "final:" not in out
-    else:
-        assert proc.returncode == -signal.SIGKILL
-    target = saved[-1] + 7
+    # A preempted run saves the step it names and exits 0: its checkpoint is written.
+    assert proc.returncode == 0, out
+    assert "final:" not in out
+    printed = [int(s) for s in re.findall(r"SIGTERM: saving step (\d+); rerun to resume", out)]
+    assert len(printed) == 1, out[-3000:]
+    (n,) = printed
+    assert finished_steps(workdir / "checkpoints")[-1] == n  # the latest complete one is N
+    state, data = final_params(workdir)
+    assert int(state["step"]) == n and data["train"] == {"index": n}  # and it holds step N
+    target = n + 7
     done = subprocess.run(
         _train_cmd(workdir, target), capture_output=True, text=True, env=env, timeout=300
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"resumed from step {saved[-1]}" in done.stdout
+    assert f"resumed from step {n} " in done.stdout
     state, data = final_params(workdir)
     assert int(state["step"]) == target and data["train"] == {"index": target}
+    # Train lines every 5 steps and at each run's last step (N: the partial window the
+    # preempted run had); the rerun's continue after N.
+    logged = [m["step"] for m in read_metrics(str(workdir)) if "train/smoothed_kl" in m]
+    every_5 = [s for s in range(1, target + 1) if s % 5 == 0]
+    assert logged == sorted(set(every_5) | {n, target})
 
 
 def test_noam_schedule_matches_the_paper_formula():
@@ -303,7 +306,9 @@ def test_gradient_accumulation_equals_one_big_batch():
         results[k] = (new, metrics)
     for k in (2, 4):
         assert float(results[k][1]["count"]) == float(results[1][1]["count"]) == 8 * 5 - 3 * 2
-        assert float(results[k][1]["loss"]) == pytest.approx(float(results[1][1]["loss"]), rel=1e-6)
+        assert float(results[k][1]["smoothed_kl"]) == pytest.approx(
+            float(results[1][1]["smoothed_kl"]), rel=1e-6
+        )
         for x, y in zip(
             jax.tree_util.tree_leaves(results[k][0].params),
             jax.tree_util.tree_leaves(results[1][0].params),
@@ -331,10 +336,23 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_last_good_checkpoint(tmp_p
         num_train_steps=30,
         eval_every=0,
     )
-    with pytest.raises(FloatingPointError, match=r"at step \d+"):
+    with pytest.raises(FloatingPointError, match=r"at step \d+") as error:
         train.train_and_evaluate(config, str(tmp_path / "stop"))
+    failing = int(re.search(r"at step (\d+)", str(error.value)).group(1))
     lines = read_metrics(str(tmp_path / "stop"))
-    assert all(np.isfinite(m["train/loss"]) for m in lines)
+    assert all(np.isfinite(m["train/smoothed_kl"]) for m in lines)
+    assert lines and all(m["step"] < failing for m in lines)
+    # The checkpoints it keeps: all before the failing step, all with finite parameters and
+    # optimizer state (the step of each is the one its directory names).
+    kept = finished_steps(tmp_path / "stop" / "checkpoints")
+    assert kept and all(s < failing for s in kept), (kept, failing)
+    ckpt = Checkpointer(str(tmp_path / "stop" / "checkpoints"), async_save=False)
+    for s in kept:
+        state, _ = ckpt.restore(step=s)
+        assert int(state["step"]) == s
+        for leaf in jax.tree_util.tree_leaves((state["params"], state["opt_state"])):
+            assert np.isfinite(np.asarray(leaf)).all(), s
+    ckpt.close()
     config.skip_nonfinite_steps = True
     config.num_train_steps = 4
     train.train_and_evaluate(config, str(tmp_path / "skip"))
