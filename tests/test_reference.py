@@ -266,39 +266,52 @@ def test_each_layer_and_sublayer_draws_its_own_dropout_mask(name):
     model = DecoderOnly(cfg)
     tokens = padded_tokens(np.random.default_rng(4), (8, 8), 8, cfg.vocab_size)
     params = random_params(model, tokens)
-    for lp in ref.layer_params(params["decoder"], cfg.num_decoder_layers):
-        lp["self_attention"]["out"]["kernel"][...] = 0.0
-        lp["mlp"]["wo"]["kernel"][...] = 0.0
-        lp["self_attention"]["out"]["bias"][...] = np.linspace(-1.0, 1.0, cfg.d_model)
-        lp["mlp"]["wo"]["bias"][...] = np.linspace(-1.0, 1.0, cfg.d_model)
+    stack = params["decoder"]["layers"]  # scanned: leaves [num_layers, ...]
+    stack["self_attention"]["out"]["kernel"][...] = 0.0
+    stack["mlp"]["wo"]["kernel"][...] = 0.0
+    biases = [np.tile(np.linspace(-1.0, 1.0, cfg.d_model, dtype=np.float32), (2, 1))] * 2
     probe = np.random.default_rng(5).standard_normal((2, 8, cfg.vocab_size)).astype(np.float32)
 
     @functools.partial(jax.jit, static_argnames="deterministic")
-    def bias_grads(params, deterministic):
-        def loss(p):
+    def bias_grads(biases, deterministic):
+        """d loss / d (attention output bias, FFN output bias), each `[num_layers, d_model]`;
+        only these are differentiated, so no kernel gradient is compiled."""
+
+        def loss(biases):
+            layers = dict(stack)
+            layers["self_attention"] = dict(
+                stack["self_attention"],
+                out={"kernel": stack["self_attention"]["out"]["kernel"], "bias": biases[0]},
+            )
+            layers["mlp"] = dict(
+                stack["mlp"], wo={"kernel": stack["mlp"]["wo"]["kernel"], "bias": biases[1]}
+            )
+            p = dict(params, decoder=dict(params["decoder"], layers=layers))
             logits = model.apply(
-                {"params": p}, tokens, deterministic=deterministic,
+                {"params": p},
+                tokens,
+                deterministic=deterministic,
                 rngs={"dropout": jax.random.key(6)},
-            )  # fmt: skip
+            )
             return jnp.sum(logits * probe)
 
-        return jax.grad(loss)(params)
+        return jax.grad(loss)(biases)
 
-    def four(grads):
-        layers = ref.layer_params(jax.tree_util.tree_map(np.asarray, grads["decoder"]), 2)
-        return [
-            lp[s][n]["bias"] for lp in layers for s, n in (("self_attention", "out"), ("mlp", "wo"))
-        ]
+    def four(grads):  # layer 0 attention, layer 0 FFN, layer 1 attention, layer 1 FFN
+        attention, ffn = (np.asarray(g) for g in grads)
+        return [attention[0], ffn[0], attention[1], ffn[1]]
 
-    plain = four(bias_grads(params, True))
-    assert np.abs(plain[0]).max() > 1e-2  # the probe reaches the biases
-    for g in plain[1:]:  # the construction: without dropout nothing tells the four apart
-        np.testing.assert_allclose(g, plain[0], rtol=1e-5, atol=1e-6)
-    dropped = four(bias_grads(params, False))
+    dropped = four(bias_grads(biases, False))
+    if name == "scan":  # remat changes no value or gradient: check the construction once
+        plain = four(bias_grads(biases, True))
+        assert np.abs(plain[0]).max() > 1e-2  # the probe reaches the biases
+        for g in plain[1:]:  # without dropout nothing tells the four sub-layers apart
+            np.testing.assert_allclose(g, plain[0], rtol=1e-5, atol=1e-6)
+    scale = np.abs(dropped[0]).max()
     for i in range(4):
         for j in range(i):
             gap = np.abs(dropped[i] - dropped[j]).max()
-            assert gap > 0.1 * np.abs(plain[0]).max(), (name, i, j, gap)
+            assert gap > 0.1 * scale, (name, i, j, gap)
 
 
 def _count_primitive(jaxpr, primitive) -> int:
@@ -342,14 +355,14 @@ def test_remat_appears_in_the_jaxpr_exactly_when_enabled(remat, scan):
 # attention weights, the output projection); 2 encoder + 2 decoder layers are 10 sub-layers,
 # ~40 roundings, plus the embedding and the output projection. Independent relative errors of
 # size u add in quadrature, sqrt(40) u ~ 6.3u, so the RMS logit error should stay under
-# 8u * RMS(logits); the largest of the ~600 compared logits, a tail value, under 4 times that
-# (32u). Measured on these configurations: RMS 2-3u, largest 6-14u. A float32 quantity
-# left in bfloat16 where it matters (the softmax, see above) is tested at its own scale; this
-# test bounds the model as a whole.
+# 8u * RMS(logits); the largest of the 624 compared logits (13 real positions x 48), a tail
+# value, under 4 times that (32u). Measured: RMS about 2u, largest 7-9u here (6-14u across
+# the SEQ2SEQ variants). The softmax, where bfloat16 does visible harm, has its own tests
+# above; this one bounds the model as a whole.
 BF16_U = 2.0**-8
 
 
-@pytest.mark.parametrize("name", ["post_relu", "pre_geglu", "rotary_rmsnorm_gqa_fused_scan"])
+@pytest.mark.parametrize("name", ["post_relu", "rotary_rmsnorm_gqa_fused_scan"])
 def test_bfloat16_logits_within_rounding_bound_of_float32(name):
     cfg = SEQ2SEQ[name]
     rng = np.random.default_rng(0)
