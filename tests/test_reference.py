@@ -16,10 +16,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_reference as ref  # tests/numpy_reference.py (pytest puts tests/ on sys.path)
 import pytest
 
 from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig
-from tests import numpy_reference as ref
 
 LOGITS_ATOL = 1e-5  # float32 model vs float64 reference, logits of size O(1)
 
