@@ -24,87 +24,49 @@ SHARED_DATA = Path(
 
 
 # ----------------------------------------------------------------------------- scheduling
-# `pytest -n 2` (pyproject: --dist loadgroup --no-loadscope-reorder) hands tests to the two
-# workers one work unit at a time, in collection order. Two rules keep the workers busy with
-# distinct work and let them finish together:
-# 1. Tests that share a module-scoped fixture form one unit (an xdist_group), so the fixture is
-#    built once, on one worker (with plain `load` both workers often built it).
-# 2. The slowest units go first (longest-processing-time first): a long test started last
+# `pytest -n 2` (pyproject: --dist loadscope --no-loadscope-reorder) hands each test module to
+# one worker as a unit, in collection order. Two rules keep the workers busy with distinct
+# work and let them finish together:
+# 1. A module-scoped fixture is built once, on one worker (with plain `load` both workers
+#    often built it: e.g. test_sharding's 2-process run). (`--dist loadgroup` with
+#    xdist_group marks would group finer, but pytest-xdist 3.8 renames node ids through an
+#    attribute that pytest 9 no longer reads: the marks group nothing.)
+# 2. The slowest modules go first (longest-processing-time first): a long unit started last
 #    leaves the other worker idle at the end. SLOWEST_FIRST lists node-id prefixes, slowest
 #    first (wall seconds of `make test` on the 2-core AVX2 machine before issue 13's cuts);
-#    the rest keep collection order. tests/test_scheduling.py checks that each names a test.
+#    the module of each moves to the front, the rest keep collection order.
+#    tests/test_scheduling.py checks that each names a test.
 SLOWEST_FIRST = (
-    # One group (the `reference` and `two_processes` fixtures): 3 eight-device runs (45 s
-    # each), the 2-process fixture (60-90 s) and SIGTERM test (125 s).
+    # 3 eight-device runs (45 s each), the 2-process fixture (60-90 s), SIGTERM test (125 s).
     "tests/test_sharding.py::test_sigterm_to_one_of_two_processes",
-    "tests/test_gcs.py::test_a_run_in_a_bucket",  # 60-80 s
-    "tests/test_train.py::test_gradient_accumulation",  # 63 s
+    "tests/test_train.py::test_gradient_accumulation",  # 63 s, killed run 60 s, nonfinite 50 s
     "tests/test_models.py::test_three_models_shapes_dtypes_jit_grad",  # 61 s (float32)
-    "tests/test_train.py::test_killed_run_resumes",  # 60 s
-    "tests/test_train.py::test_nonfinite",  # 35-70 s
-    "tests/test_multihost_data.py::test_two_processes",  # group `corpus`: both tests
-    "tests/test_generate.py::test_eight_devices_decode",  # group `sharded_decoding`
+    "tests/test_gcs.py::test_a_run_in_a_bucket",  # 60-80 s
+    "tests/test_generate.py::test_eight_devices_decode",  # an 8-device subprocess
+    "tests/test_multihost_data.py::test_two_processes",  # 2 processes, then 1 with 8 devices
     "tests/test_fastpaths.py::test_every_attention_kernel",  # an 8-device subprocess
     "tests/test_scan_fused.py::test_scanned_model_initialises_sharded",  # ditto
 )
 
 
-def fixture_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:
-    """Group name per item that uses a module-scoped fixture: the items connected through
-    shared instances (same module, fixture and parameter) share one name."""
-    parent: dict = {}
-
-    def find(x):
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    keys_of: dict[pytest.Item, list] = {}
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        keys = []
-        for name, defs in item._fixtureinfo.name2fixturedefs.items():
-            if defs and defs[-1].scope in ("module", "class"):
-                index = callspec.indices.get(name) if callspec else None
-                keys.append((item.nodeid.split("::")[0], name, index))
-        for key in keys[1:]:
-            parent[find(key)] = find(keys[0])
-        if keys:
-            keys_of[item] = keys
-    names = {}
-    for item, keys in keys_of.items():
-        module, name, index = find(keys[0])
-        names[item] = f"{module}::{name}" + ("" if index is None else f"[{index}]")
-    return names
-
-
 def slowest_first(items: list[pytest.Item]) -> list[pytest.Item]:
-    """``items`` with SLOWEST_FIRST's tests (and the rest of their groups) moved to the front,
-    in that list's order; a stable sort, so everything else keeps its order."""
+    """``items`` with the modules of SLOWEST_FIRST's tests moved to the front, in that list's
+    order; a stable sort, so each module keeps its order and the rest their order."""
 
-    def unit(item):
-        mark = item.get_closest_marker("xdist_group")
-        return mark.args[0] if mark else item.nodeid
+    def module(item):
+        return item.nodeid.split("::")[0]
 
     rank: dict[str, int] = {}
     for item in items:
         for i, prefix in enumerate(SLOWEST_FIRST):
             if item.nodeid.startswith(prefix):
-                rank[unit(item)] = min(rank.get(unit(item), i), i)
-                break
-    return sorted(items, key=lambda item: rank.get(unit(item), len(SLOWEST_FIRST)))
+                rank[module(item)] = min(rank.get(module(item), i), i)
+    return sorted(items, key=lambda item: rank.get(module(item), len(SLOWEST_FIRST)))
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(trylast=True)  # after pytest orders tests by parametrized module fixtures
 def pytest_collection_modifyitems(items):
-    """Marks the groups before the other hooks (xdist's appends the group names to the node
-    ids), sorts after them (pytest's own groups tests by parametrized module fixtures)."""
-    for item, name in fixture_groups(items).items():
-        item.add_marker(pytest.mark.xdist_group(name))
-    result = yield
     items[:] = slowest_first(items)
-    return result
 
 
 @pytest.fixture(scope="session")
