@@ -23,6 +23,52 @@ SHARED_DATA = Path(
 ).resolve()
 
 
+# ----------------------------------------------------------------------------- scheduling
+# `pytest -n 2` (pyproject: --dist loadscope --no-loadscope-reorder) hands each test module to
+# one worker as a unit, in collection order. Two rules keep the workers busy with distinct
+# work and let them finish together:
+# 1. A module-scoped fixture is built once, on one worker (with plain `load` both workers
+#    often built it: e.g. test_sharding's 2-process run). (`--dist loadgroup` with
+#    xdist_group marks would group finer, but pytest-xdist 3.8 renames node ids through an
+#    attribute that pytest 9 no longer reads: the marks group nothing.)
+# 2. The slowest modules go first (longest-processing-time first): a long unit started last
+#    leaves the other worker idle at the end. SLOWEST_FIRST lists node-id prefixes, slowest
+#    first (wall seconds of `make test` on the 2-core AVX2 machine before issue 13's cuts);
+#    the module of each moves to the front, the rest keep collection order.
+#    tests/test_scheduling.py checks that each names a test.
+SLOWEST_FIRST = (
+    # 3 eight-device runs (45 s each), the 2-process fixture (60-90 s), SIGTERM test (125 s).
+    "tests/test_sharding.py::test_sigterm_to_one_of_two_processes",
+    "tests/test_train.py::test_gradient_accumulation",  # 63 s, killed run 60 s, nonfinite 50 s
+    "tests/test_models.py::test_three_models_shapes_dtypes_jit_grad",  # 61 s (float32)
+    "tests/test_gcs.py::test_a_run_in_a_bucket",  # 60-80 s
+    "tests/test_generate.py::test_eight_devices_decode",  # an 8-device subprocess
+    "tests/test_multihost_data.py::test_two_processes",  # 2 processes, then 1 with 8 devices
+    "tests/test_fastpaths.py::test_every_attention_kernel",  # an 8-device subprocess
+    "tests/test_scan_fused.py::test_scanned_model_initialises_sharded",  # ditto
+)
+
+
+def slowest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with the modules of SLOWEST_FIRST's tests moved to the front, in that list's
+    order; a stable sort, so each module keeps its order and the rest their order."""
+
+    def module(item):
+        return item.nodeid.split("::")[0]
+
+    rank: dict[str, int] = {}
+    for item in items:
+        for i, prefix in enumerate(SLOWEST_FIRST):
+            if item.nodeid.startswith(prefix):
+                rank[module(item)] = min(rank.get(module(item), i), i)
+    return sorted(items, key=lambda item: rank.get(module(item), len(SLOWEST_FIRST)))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest orders tests by parametrized module fixtures
+def pytest_collection_modifyitems(items):
+    items[:] = slowest_first(items)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """../shared/data (override with FLAXFORMER_SHARED_DATA); skips the test when absent."""

@@ -203,7 +203,8 @@ def test_blockwise_models_equal_the_reference_on_padded_and_packed_batches():
         ("seq2seq_padded", EncoderDecoder, seq2seq, (x, y), {}),
         ("lm_packed", DecoderOnly, lm, (y,), dict(positions=pos_y, segmentation=seg_y)),
     ):
-        want = model_of(SMALL).apply(variables, *args, **kwargs)  # eager: no compile
+        # Jitted too: eager dispatch compiles op by op (4.6 CPU s here against 1.3 s).
+        want = jax.jit(model_of(SMALL).apply)(variables, *args, **kwargs)
         got = jax.jit(model_of(blockwise).apply)(variables, *args, **kwargs)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from flaxformer_lite import attention_maps, data, paths, plot_metrics
+from flaxformer_lite import attention_maps, data, evaluate, paths, plot_metrics, translate
 from flaxformer_lite.checkpoints import finished_steps
 from flaxformer_lite.inference import load_vocabularies
 from flaxformer_lite.metrics import MetricWriter, read_metrics
@@ -24,7 +24,7 @@ from flaxformer_lite.tokenizer import Tokenizer, load_or_train
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import ROOT, _train_cmd, _wait_for_checkpoint, final_params  # noqa: E402
 
-STEPS = 30  # room for the kill to land mid-run: each save waits for the previous one
+STEPS = 20  # room for the kill to land mid-run: saves 10, 15 and 20 each wait for the one before
 SOURCES = ["31415", "2718", "1414", "57721", "6"]
 
 
@@ -44,7 +44,7 @@ def _tensorboard_scalars(directory: str) -> set[tuple[str, int]]:
 
 
 def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_evaluate(
-    gcs, tmp_path
+    gcs, tmp_path, monkeypatch
 ):
     """The default config (tiny) trains into gs://bucket/run, is SIGKILLed after its first
     checkpoint, resumes from the bucket and ends bitwise equal to an uninterrupted local run;
@@ -57,12 +57,6 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     cmd = lambda workdir: _train_cmd(workdir, STEPS, decode_eval=False)  # noqa: E731
     popen = dict(cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    # The uninterrupted reference (local) runs beside the one that is killed.
-    reference_log = tmp_path / "reference.log"
-    with open(reference_log, "w") as log:
-        reference = subprocess.Popen(
-            cmd(tmp_path / "reference"), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
     killed = subprocess.Popen(cmd(run), **popen)
     first = _wait_for_checkpoint(run, killed)
     killed.send_signal(signal.SIGKILL)
@@ -71,6 +65,13 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     saved = finished_steps(f"{run}/checkpoints")
     assert saved and first <= saved[-1] < STEPS
 
+    # The uninterrupted reference (local) runs beside the resumed one; both start after the
+    # killed run compiled the step, so they load it from the persistent compilation cache.
+    reference_log = tmp_path / "reference.log"
+    with open(reference_log, "w") as log:
+        reference = subprocess.Popen(
+            cmd(tmp_path / "reference"), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     resumed = subprocess.run(
         cmd(run), timeout=300, capture_output=True, text=True, cwd=cwd, env=env
     )
@@ -106,24 +107,20 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     for name in ("config.json", "model_config.json", "vocab.json"):
         assert (epath.Path(run) / name).read_text() == (tmp_path / "reference" / name).read_text()
 
-    # The CLIs: workdir, inputs and outputs all in the bucket.
+    # The CLIs (in this process, from the empty folder): workdir, inputs, outputs in the bucket.
     test = epath.Path("gs://bucket/test")
     (test / "src.txt").write_text("".join(s + "\n" for s in SOURCES))
     (test / "ref.txt").write_text("".join(s[::-1] + "\n" for s in SOURCES))
     decode = ["--workdir", run, "--method", "greedy"]
-    translate = subprocess.Popen(
-        [sys.executable, "-m", "flaxformer_lite.translate", *decode,
-         "--input", f"{test}/src.txt", "--output", f"{test}/translate.hyp"], **popen,
-    )  # fmt: skip
-    evaluate = subprocess.run(
-        [sys.executable, "-m", "flaxformer_lite.evaluate", *decode, "--source", f"{test}/src.txt",
-         "--reference", f"{test}/ref.txt", "--output", f"{test}/evaluate.hyp",
-         "--report", f"{test}/report.json"],
-        timeout=300, capture_output=True, text=True, cwd=cwd, env=env,
-    )  # fmt: skip
-    out, _ = translate.communicate(timeout=300)
-    assert translate.returncode == 0, out
-    assert evaluate.returncode == 0, evaluate.stdout + evaluate.stderr
+    monkeypatch.chdir(cwd)
+    assert (
+        translate.main([*decode, "--input", f"{test}/src.txt", "--output", f"{test}/translate.hyp"])
+        == 0
+    )
+    assert evaluate.main(
+        [*decode, "--source", f"{test}/src.txt", "--reference", f"{test}/ref.txt",
+         "--output", f"{test}/evaluate.hyp", "--report", f"{test}/report.json"]
+    ) == 0  # fmt: skip
     text = (test / "translate.hyp").read_text()
     hyps = text.split("\n")[:-1]
     assert len(hyps) == len(SOURCES) and text.endswith("\n")  # one line per source

@@ -46,6 +46,9 @@ TINY = [
     # The key bias has a zero gradient in exact arithmetic (softmax ignores a constant per
     # query); Adam would turn its rounding noise into full-size steps that differ by layout.
     "--config.model.use_bias=False",
+    # These tests compare checkpoints and losses; the final evaluation decodes nothing (decoding
+    # on meshes and on 2 processes: test_generate, test_multihost_data).
+    "--config.decode_eval=False",
 ]
 
 
