@@ -12,12 +12,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-ACTIVATIONS = ("relu", "gelu", "swiglu", "geglu")
+from flaxformer_lite.activations import ACTIVATIONS as _ACTIVATION_FUNCTIONS
+from flaxformer_lite.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+
+ACTIVATIONS = tuple(_ACTIVATION_FUNCTIONS)
 NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 POSITIONS = ("sinusoidal", "learned", "rotary", "none")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
 POOLINGS = ("mean", "first")
 
 

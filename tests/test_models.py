@@ -282,3 +282,86 @@ def test_bad_input_names_the_argument(call, name):
 
 def test_dataclass_config_is_hashable_for_jit_static_use():
     assert hash(TINY) == hash(dataclasses.replace(TINY))
+
+
+# ----------------------------------------------------------------------------- decoding limits
+
+LM = TINY.replace(num_decoder_layers=1, max_len=8, dropout_rate=0.0)
+
+
+@pytest.fixture(scope="module")
+def lm_cache():
+    """A DecoderOnly, its parameters and an empty cache of 4 positions."""
+    model = DecoderOnly(LM)
+    y = jnp.ones((1, 4), jnp.int32)
+    variables = jax.jit(
+        lambda: model.init(jax.random.key(0), y, decode=True, method=model.decode)
+    )()
+    return model, variables["params"], variables["cache"]
+
+
+def _step(model, params, cache, tokens, **kw):
+    return model.apply(
+        {"params": params, "cache": cache},
+        tokens,
+        decode=True,
+        mutable=["cache"],
+        method=model.decode,
+        **kw,
+    )
+
+
+def test_one_decoding_counter(lm_cache):
+    model, params, cache = lm_cache
+    counters = {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(cache)
+        if np.ndim(leaf) == 0
+    }
+    assert list(counters) == ["['decoder']['position_index']"]
+    _, state = _step(model, params, cache, jnp.ones((1, 3), jnp.int32))
+    assert int(state["cache"]["decoder"]["position_index"]) == 3
+
+
+def test_decoding_past_the_cache_raises_eagerly_under_jit_and_while_tracing(lm_cache):
+    model, params, cache = lm_cache
+    tok = jnp.ones((1, 1), jnp.int32)
+    _, state = _step(model, params, cache, jnp.ones((1, 3), jnp.int32))
+    logits, state = _step(model, params, state["cache"], tok)  # position 3: the last slot
+    assert np.isfinite(np.asarray(logits)).all()
+    with pytest.raises(ValueError, match="max_len=4"):  # eager: concrete counter
+        _step(model, params, state["cache"], tok)
+    step = jax.jit(lambda c, t: _step(model, params, c, t))
+    _, full = step(cache, jnp.ones((1, 4), jnp.int32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="max_len=4"):
+        jax.block_until_ready(step(full["cache"], tok))
+    with pytest.raises(ValueError, match="max_len=4"):  # static: 5 new positions never fit
+        step(cache, jnp.ones((1, 5), jnp.int32))
+    # The check is the only thing that fails: the same jitted step within the cache runs.
+    logits, _ = step(cache, jnp.ones((1, 4), jnp.int32))
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_parameter_paths_unchanged():
+    """Checkpoints of earlier versions load: the parameter tree names are pinned."""
+    cfg = TINY.replace(num_encoder_layers=1, num_decoder_layers=1)
+    x = jnp.ones((1, 3), jnp.int32)
+    shapes = jax.eval_shape(EncoderDecoder(cfg).init, jax.random.key(0), x, x)["params"]
+    paths = {
+        "/".join(k.key for k in path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(shapes))
+    }
+    layer = "decoder/layers_0/"
+    expected = {"source_embedding/embedding"}
+    for prefix, subs in (
+        ("encoder/layers_0/", ("self_attention",)),
+        (layer, ("self_attention", "cross_attention")),
+    ):
+        for sub in subs:
+            for proj in ("query", "key", "value", "out"):
+                expected |= {f"{prefix}{sub}/{proj}/kernel", f"{prefix}{sub}/{proj}/bias"}
+            expected |= {f"{prefix}{sub}_norm/scale", f"{prefix}{sub}_norm/bias"}
+        for dense in ("wi", "wo"):
+            expected |= {f"{prefix}mlp/{dense}/kernel", f"{prefix}mlp/{dense}/bias"}
+        expected |= {f"{prefix}mlp_norm/scale", f"{prefix}mlp_norm/bias"}
+    assert paths == expected
