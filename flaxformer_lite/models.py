@@ -20,8 +20,12 @@ in length, future key blocks skipped), cuDNN gets ``is_causal`` and sequence len
 With ``config.scan_layers`` each layer stack is one ``nn.scan`` over a layer: parameters
 ``encoder/layers/...`` and ``decoder/layers/...`` hold every layer stacked on a leading axis
 `[num_layers, ...]` (logical axis "layers") where the unrolled model has ``layers_0`` ...
-``layers_{N-1}``. ``unstack_layers`` converts the first layout into the second; cached decoding
-(``decode=True``) runs on the unrolled one (``unrolled`` gives its parameters and config).
+``layers_{N-1}``; ``layer_stack`` builds either. ``unstack_layers`` converts the first layout
+into the second; cached decoding (``decode=True``) runs on the unrolled one (``unrolled`` gives
+its parameters and config).
+
+Attention weights are sown into the "intermediates" collection by every attention layer when
+the caller makes it mutable; ``attention_weights_per_layer`` lists them per layer.
 """
 
 from __future__ import annotations
