@@ -39,6 +39,7 @@ from flaxformer_lite.masks import AttentionMask
 Array = jax.Array
 MaskLike = Array | AttentionMask | None
 Implementation = Literal["xla", "cudnn", "blockwise"]
+# The one list of implementations (TransformerConfig.attention_implementation is checked on it).
 IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
 
 

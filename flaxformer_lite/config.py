@@ -12,14 +12,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from flaxformer_lite.activations import ACTIVATIONS as _ACTIVATION_FUNCTIONS
+from flaxformer_lite.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from flaxformer_lite.special_ids import BOS_ID, PAD_ID
 
-ACTIVATIONS = ("relu", "gelu", "swiglu", "geglu")
+ACTIVATIONS = tuple(_ACTIVATION_FUNCTIONS)
 NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 POSITIONS = ("sinusoidal", "learned", "rotary", "none")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
 POOLINGS = ("mean", "first")
 
 

@@ -93,6 +93,9 @@ def _decoder_call(model: Any, params: Any, *context: Any):
             *context,
             tokens,
             decode=True,
+            # init_cache sizes the cache for every position the search writes: no run-time
+            # overflow check (a lax.cond per layer and step) in the decoding loop.
+            check_cache=False,
             mutable=["cache"],
             method=model.decode,
         )

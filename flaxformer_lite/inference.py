@@ -42,7 +42,7 @@ from flaxformer_lite.generate import (
     generate,
     place_params,
 )
-from flaxformer_lite.models import EncoderDecoder, unrolled
+from flaxformer_lite.models import EncoderDecoder, attention_weights_per_layer, unrolled
 from flaxformer_lite.special_ids import EOS_ID
 from flaxformer_lite.synthetic import SymbolVocabulary  # noqa: E402  (re-exported)
 
@@ -515,7 +515,8 @@ class Translator:
         """Attention weights of the greedy translation of ``text``, for plotting.
 
         The translation is decoded greedily, then run once more teacher-forced (same tokens)
-        with ``return_weights=True``.
+        with the "intermediates" collection mutable, where every attention layer sows its
+        weights.
 
         Returns a dict:
           ``translation``: the output string.
@@ -550,7 +551,7 @@ class Translator:
             "source_pieces": self.source_vocab.id_to_piece(ids[0]),
             "target_pieces": self.target_vocab.id_to_piece(target.tolist()),
             "decoder_input_pieces": self.target_vocab.id_to_piece(decoder_inputs.tolist()),
-            "encoder_self": np.stack([np.asarray(w[0]) for w in enc]),
+            "encoder_self": np.stack([np.asarray(w["self"][0]) for w in enc]),
             "decoder_self": np.stack([np.asarray(w["self"][0]) for w in dec]),
             "encoder_decoder": np.stack([np.asarray(w["cross"][0]) for w in dec]),
         }
@@ -562,13 +563,16 @@ class Translator:
 @functools.partial(jax.jit, static_argnames=("config",))
 def _attention_weights(
     params: Any, config: TransformerConfig, inputs: jax.Array, decoder_inputs: jax.Array
-) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
-    """Encoder weights (per layer `[b, h, s, s]`) and decoder weights (per layer
+) -> tuple[list[dict[str, jax.Array]], list[dict[str, jax.Array]]]:
+    """Encoder weights (per layer ``{"self": [b, h, s, s]}``) and decoder weights (per layer
     ``{"self": [b, h, t, t], "cross": [b, h, t, s]}``) of one teacher-forced pass."""
     model = EncoderDecoder(config)
     variables = {"params": params}
-    encoded, enc = model.apply(variables, inputs, return_weights=True, method=model.encode)
+    encoded, enc = model.apply(variables, inputs, method=model.encode, mutable=["intermediates"])
     _, dec = model.apply(
-        variables, encoded, inputs, decoder_inputs, return_weights=True, method=model.decode
+        variables, encoded, inputs, decoder_inputs, method=model.decode, mutable=["intermediates"]
     )
-    return enc, dec
+    return (
+        attention_weights_per_layer(enc["intermediates"]["encoder"]),
+        attention_weights_per_layer(dec["intermediates"]["decoder"]),
+    )

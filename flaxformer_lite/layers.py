@@ -9,6 +9,7 @@ lifted into other projects alone; the layer stacks take a ``TransformerConfig``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite import positions as pos_lib
-from flaxformer_lite.attention import dot_product_attention
+from flaxformer_lite.activations import ACTIVATIONS, GATED
+from flaxformer_lite.attention import attention_weights, dot_product_attention
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.masks import AttentionMask, combine_masks
 
@@ -188,11 +190,19 @@ class MultiHeadAttention(nn.Module):
 
     Autoregressive decoding (``decode=True``, self-attention only) keeps the projected keys and
     values in the "cache" collection: ``cached_key``/``cached_value`` `[batch, max_len, kv_heads,
-    head_dim]` and a scalar ``cache_index``. Calling ``init`` with ``decode=True`` on inputs of
-    length ``max_len`` allocates it. Each decode call appends its ``q_len`` new positions
-    (one token per step, or a whole prompt at once) and attends causally to everything cached:
-    a step projects only its new positions and reads the fixed-size cache under a mask (fixed
-    shapes keep one compiled step), instead of re-running the whole prefix.
+    head_dim]`. Calling ``init`` with ``decode=True`` on inputs of length ``max_len`` allocates
+    it. The layer keeps no counter: each decode call passes the absolute positions of its
+    ``q_len`` new tokens as ``positions_q`` (consecutive, the same in every row; the caller,
+    e.g. ``models.Decoder``, counts them), writes their keys/values at cache slots
+    ``positions_q[0]`` and attends causally to everything cached. One token per step or a whole
+    prompt at once: a step projects only its new positions and reads the fixed-size cache under
+    a mask (fixed shapes keep one compiled step), instead of re-running the whole prefix.
+    Writing past ``max_len`` raises (see ``check_cache_room``) instead of overwriting the last
+    slot.
+
+    Attention weights `[batch, heads, q_len, kv_len]` (float32) are sown as
+    ``intermediates/.../attention_weights`` when the caller makes that collection mutable
+    (``apply(..., mutable=["intermediates"])``); otherwise nothing is computed or kept for them.
 
     ``fused_qkv=True`` projects self-attention queries, keys and values with a
     ``FusedQKVProjection`` (parameters under "qkv" instead of "query"/"key"/"value");
@@ -236,6 +246,20 @@ class MultiHeadAttention(nn.Module):
             name="qkv",
         )(x)
 
+    def _rotate(self, x: Array, positions: Array | None) -> Array:
+        """Rotary embedding of queries or keys `[batch, len, heads, head_dim]` at ``positions``
+        `[batch|1, len]` (default 0..len-1); the identity without ``use_rotary``."""
+        if not self.use_rotary:
+            return x
+        if positions is None:
+            positions = jnp.arange(x.shape[1])[None]
+        return pos_lib.rotary(x, positions)
+
+    def _project_kv(self, source: Array, kv_heads: int, positions: Array | None):
+        """Keys (rotated at ``positions``) and values `[batch, len, kv_heads, head_dim]`."""
+        key = self._project(source, kv_heads, "key")
+        return self._rotate(key, positions), self._project(source, kv_heads, "value")
+
     @nn.compact
     def __call__(
         self,
@@ -248,30 +272,38 @@ class MultiHeadAttention(nn.Module):
         positions_kv: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
-        return_weights: bool = False,
-    ) -> Array | tuple[Array, Array]:
-        """Returns `[batch, q_len, features]` (and weights `[batch, heads, q_len, kv_len]`).
+        check_cache: bool = True,
+    ) -> Array:
+        """Returns `[batch, q_len, features]`.
 
         mask: bool broadcastable to `[batch, heads, q_len, kv_len]`, or a ``masks.AttentionMask``
         (what the models pass: blockwise and cuDNN attention then never build the `[q_len,
         kv_len]` matrix; decoding self-attention takes arrays only). positions_q/positions_kv:
-        int `[batch, len]`, used by rotary embeddings (default: 0..len-1).
+        int `[batch, len]`, used by rotary embeddings (default: 0..len-1; self-attention keys
+        default to ``positions_q``). Keys are rotated once, when projected: cached keys are
+        stored rotated, so ``decode=True`` and ``decode=False`` agree wherever no cache entry
+        from an earlier call is read. check_cache: under ``jit``, check at run time that a
+        decode step fits in the cache (``check_cache_room``); callers that size the cache for
+        every step they take (``generate``) turn it off.
         """
         features = inputs_q.shape[-1]
         kv_heads = self.num_kv_heads or self.num_heads
         self_attention = inputs_kv is None and not self.cross_attention
+        if self_attention and positions_kv is None:
+            positions_kv = positions_q
         if self.fused_qkv and self_attention:
             query, key, value = self._project_qkv(inputs_q, kv_heads)
+            key = self._rotate(key, positions_kv)
         else:
             query = self._project(inputs_q, self.num_heads, "query")
             if self.cross_attention and decode:
-                key, value = self._cross_cache(inputs_kv, kv_heads)
+                key, value = self._cross_cache(inputs_kv, kv_heads, positions_kv)
             else:
                 if self.cross_attention and inputs_kv is None:
                     raise ValueError("cross-attention needs inputs_kv (the encoder output)")
                 kv_source = inputs_q if self_attention else inputs_kv
-                key = self._project(kv_source, kv_heads, "key")
-                value = self._project(kv_source, kv_heads, "value")
+                key, value = self._project_kv(kv_source, kv_heads, positions_kv)
+        query = self._rotate(query, positions_q)
 
         if decode and self_attention:
             if isinstance(mask, AttentionMask):
@@ -279,21 +311,15 @@ class MultiHeadAttention(nn.Module):
                     "decode=True self-attention builds its causal mask over the cache; pass an "
                     "array mask `[batch, heads, q_len, max_len]` (or None), not an AttentionMask"
                 )
-            key, value, mask, positions_q = self._update_cache(key, value, mask)
-            positions_kv = jnp.arange(key.shape[1])[None]
-        if self.use_rotary:
-            if positions_q is None:
-                positions_q = jnp.arange(query.shape[1])[None]
-            if positions_kv is None:
-                positions_kv = positions_q if self_attention else jnp.arange(key.shape[1])[None]
-            query = pos_lib.rotary(query, positions_q)
-            if not decode:  # cached keys were rotated when they were written
-                key = pos_lib.rotary(key, positions_kv)
+            key, value, mask = self._update_cache(key, value, mask, positions_q, check_cache)
 
         dropout_rng = None
         if self.dropout_rate > 0.0 and not deterministic:
             dropout_rng = self.make_rng("dropout")
-        result = dot_product_attention(
+        # Weights only when someone collects them: sow is a no-op unless "intermediates" is
+        # mutable, and then the weights are not computed either.
+        want_weights = self.is_mutable_collection("intermediates")
+        out = dot_product_attention(
             query,
             key,
             value,
@@ -302,20 +328,28 @@ class MultiHeadAttention(nn.Module):
             dropout_rate=self.dropout_rate,
             dropout_rng=dropout_rng,
             deterministic=deterministic,
-            return_weights=return_weights,
+            return_weights=want_weights and self.implementation == "xla",
             implementation=self.implementation,
         )
-        out, weights = result if return_weights else (result, None)
-        out = OutputProjection(
+        if want_weights:
+            if self.implementation == "xla":
+                out, weights = out
+            else:  # cuDNN and blockwise never materialise them: the reference computes them
+                if isinstance(mask, AttentionMask):
+                    mask = mask.dense(query.shape[1], key.shape[1])
+                weights = attention_weights(query, key, mask, bias)
+            self.sow("intermediates", "attention_weights", weights)
+        return OutputProjection(
             features,
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="out",
         )(out)
-        return (out, weights) if return_weights else out
 
-    def _cross_cache(self, inputs_kv: Array | None, kv_heads: int) -> tuple[Array, Array]:
+    def _cross_cache(
+        self, inputs_kv: Array | None, kv_heads: int, positions_kv: Array | None
+    ) -> tuple[Array, Array]:
         """Encoder keys/values for decoding, projected once per batch instead of every step.
 
         A call with the encoder output (``inputs_kv``) projects and stores them in the cache
@@ -323,8 +357,7 @@ class MultiHeadAttention(nn.Module):
         ``inputs_kv=None`` read them back.
         """
         if inputs_kv is not None:
-            key = self._project(inputs_kv, kv_heads, "key")
-            value = self._project(inputs_kv, kv_heads, "value")
+            key, value = self._project_kv(inputs_kv, kv_heads, positions_kv)
             cached_key = self.variable("cache", "cross_key", jnp.zeros, key.shape, key.dtype)
             cached_value = self.variable(
                 "cache", "cross_value", jnp.zeros, value.shape, value.dtype
@@ -339,21 +372,26 @@ class MultiHeadAttention(nn.Module):
         return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
 
     def _update_cache(
-        self, key: Array, value: Array, mask: Array | None
-    ) -> tuple[Array, Array, Array | None, Array]:
-        """Writes the new keys/values at ``cache_index``; returns the full cache and its mask."""
+        self, key: Array, value: Array, mask: Array | None, positions_q: Array | None, check: bool
+    ) -> tuple[Array, Array, Array | None]:
+        """Writes the new keys/values `[batch, q_len, kv_heads, head_dim]` at cache slots
+        ``positions_q[0]``; returns the whole cache and its causal mask."""
         initialized = self.has_variable("cache", "cached_key")
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
-        cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-        q_len = key.shape[1]
-        positions_q = (cache_index.value + jnp.arange(q_len))[None]  # [1, q_len]
         if not initialized:  # the init call only allocates the cache
-            return key, value, mask, positions_q
-        if self.use_rotary:
-            key = pos_lib.rotary(key, positions_q)
-        index = cache_index.value
-        max_len = cached_key.value.shape[1]
+            return key, value, mask
+        q_len, max_len = key.shape[1], cached_key.value.shape[1]
+        if q_len == 0:  # nothing to write (a call that only fills the cross-attention cache)
+            return cached_key.value, cached_value.value, mask
+        if positions_q is None:
+            raise ValueError(
+                "decode=True self-attention needs positions_q `[batch, q_len]`: the absolute "
+                "positions of the new tokens (the first is the cache slot written)"
+            )
+        positions = positions_q[0].astype(jnp.int32)  # [q_len]
+        index = positions[0]
+        check_cache_room(index, q_len, max_len, runtime=check)
         zero = jnp.array(0, jnp.int32)
         cached_key.value = jax.lax.dynamic_update_slice(
             cached_key.value, key.astype(cached_key.value.dtype), (zero, index, zero, zero)
@@ -361,29 +399,69 @@ class MultiHeadAttention(nn.Module):
         cached_value.value = jax.lax.dynamic_update_slice(
             cached_value.value, value.astype(cached_value.value.dtype), (zero, index, zero, zero)
         )
-        cache_index.value = index + q_len
         # New query i (absolute position index + i) sees cached positions <= index + i.
-        causal = jnp.arange(max_len)[None, :] <= positions_q[0][:, None]
+        causal = jnp.arange(max_len)[None, :] <= positions[:, None]
         mask = combine_masks(mask, causal[None, None])
-        return cached_key.value, cached_value.value, mask, positions_q
+        return cached_key.value, cached_value.value, mask
+
+
+def _raise_cache_full(index: Any, *, q_len: int, max_len: int) -> None:
+    raise ValueError(
+        f"decode=True writes {q_len} new position(s) from position {int(index)} into a key/value "
+        f"cache of max_len={max_len} (positions 0..{max_len - 1}): the cache is full. Allocate "
+        "a longer cache (init with longer decoder inputs, up to TransformerConfig.max_len) or "
+        "stop decoding earlier."
+    )
+
+
+def check_cache_room(index: Array, q_len: int, max_len: int, *, runtime: bool = True) -> None:
+    """Raises ValueError unless positions ``index .. index + q_len - 1`` fit in a cache of
+    ``max_len`` slots (``dynamic_update_slice`` would otherwise clamp the write onto the last
+    slots and decoding would go on with corrupted keys).
+
+    ``q_len`` and ``max_len`` are static: ``q_len > max_len`` raises while tracing. A concrete
+    ``index`` (eager ``apply``) is checked in Python. A traced one (under ``jit``) is checked on
+    the device, and only where the write would overflow does a ``jax.debug.callback`` raise
+    (surfacing as a ``JaxRuntimeError`` carrying this message when the result is used); with
+    ``runtime=False`` that check is left out (the caller guarantees the room statically: a
+    ``lax.cond`` per layer and step costs a host synchronisation on GPUs).
+    """
+    if q_len > max_len:
+        _raise_cache_full(0, q_len=q_len, max_len=max_len)
+    try:
+        concrete = int(index)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        concrete = None
+    if concrete is not None:
+        if concrete + q_len > max_len:
+            _raise_cache_full(concrete, q_len=q_len, max_len=max_len)
+        return
+    if runtime:
+        raise_full = functools.partial(_raise_cache_full, q_len=q_len, max_len=max_len)
+        jax.lax.cond(
+            index + q_len > max_len,
+            lambda: jax.debug.callback(raise_full, index),
+            lambda: None,
+        )
 
 
 class MlpBlock(nn.Module):
     """Position-wise feed-forward network: `[..., features]` -> `[..., features]`.
 
     "relu" is the paper's max(0, xW1 + b1)W2 + b2; "gelu" swaps the non-linearity; "swiglu" and
-    "geglu" are the gated variants act(xW_gate) * (xW_up) W_down (Shazeer 2020).
+    "geglu" are the gated variants act(xW_gate) * (xW_up) W_down (Shazeer 2020). The names are
+    ``activations.ACTIVATIONS``. No dropout inside: the paper's residual dropout follows the
+    block (``residual``).
     """
 
     d_ff: int
     activation: str = "relu"
-    dropout_rate: float = 0.0
     use_bias: bool = True
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
+    def __call__(self, x: Array) -> Array:
         def dense(features: int, names: tuple[str, str], name: str) -> nn.Dense:
             return nn.Dense(
                 features,
@@ -395,14 +473,13 @@ class MlpBlock(nn.Module):
                 name=name,
             )
 
-        acts = {"relu": nn.relu, "gelu": nn.gelu, "swiglu": nn.silu, "geglu": nn.gelu}
-        if self.activation not in acts:
-            raise ValueError(f"activation must be one of {tuple(acts)}; got {self.activation!r}")
-        act = acts[self.activation]
-        h = act(dense(self.d_ff, ("embed", "mlp"), "wi")(x))
-        if self.activation in ("swiglu", "geglu"):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {tuple(ACTIVATIONS)}; got {self.activation!r}"
+            )
+        h = ACTIVATIONS[self.activation](dense(self.d_ff, ("embed", "mlp"), "wi")(x))
+        if self.activation in GATED:
             h = h * dense(self.d_ff, ("embed", "mlp"), "wi_up")(x)
-        # Dropout inside the FFN is not in the paper; residual dropout follows the block.
         return dense(x.shape[-1], ("mlp", "embed"), "wo")(h)
 
 
@@ -452,20 +529,16 @@ def make_norm(config: TransformerConfig, name: str) -> nn.Module:
 
 def residual(
     x: Array,
-    sublayer: Callable[[Array], tuple[Array, Any]],
+    sublayer: Callable[[Array], Array],
     norm: nn.Module,
     dropout: nn.Dropout,
     *,
     pre_norm: bool,
     deterministic: bool,
-) -> tuple[Array, Any]:
-    """Post-LN LayerNorm(x + Dropout(f(x))) (the paper) or pre-LN x + Dropout(f(LN(x))).
-
-    ``sublayer`` returns ``(y, aux)``; aux (attention weights or None) is passed through.
-    """
-    y, aux = sublayer(norm(x) if pre_norm else x)
-    y = dropout(y, deterministic=deterministic)
-    return (x + y if pre_norm else norm(x + y)), aux
+) -> Array:
+    """Post-LN LayerNorm(x + Dropout(f(x))) (the paper) or pre-LN x + Dropout(f(LN(x)))."""
+    y = dropout(sublayer(norm(x) if pre_norm else x), deterministic=deterministic)
+    return x + y if pre_norm else norm(x + y)
 
 
 def _attention(config: TransformerConfig, name: str, *, cross: bool = False) -> MultiHeadAttention:
@@ -501,110 +574,76 @@ def _mlp(config: TransformerConfig) -> MlpBlock:
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each in a residual sub-layer. `[b, s, d]` -> `[b, s, d]`.
 
-    Returns the attention weights `[b, heads, s, s]` too when ``return_weights``.
+    Only arrays are call arguments (the flags are attributes), so ``nn.remat`` and ``nn.scan``
+    take the layer as it is (``models.layer_stack``).
     """
 
     config: TransformerConfig
+    deterministic: bool = True
 
     @nn.compact
-    def __call__(
-        self,
-        x: Array,
-        mask: Array | None,
-        positions: Array | None = None,
-        deterministic: bool = True,
-        return_weights: bool = False,
-    ):
-        # Positional (not keyword-only) so that nn.remat can mark the flags static.
+    def __call__(self, x: Array, mask: Any, positions: Array | None = None) -> Array:
         cfg = self.config
-        kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=deterministic)
+        kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
         attn = _attention(cfg, "self_attention")
 
-        def self_attention(h: Array):
-            out = attn(
-                h,
-                None,
-                mask,
-                positions_q=positions,
-                deterministic=deterministic,
-                return_weights=return_weights,
-            )
-            return out if return_weights else (out, None)
+        def self_attention(h: Array) -> Array:
+            return attn(h, None, mask, positions_q=positions, deterministic=self.deterministic)
 
-        x, weights = residual(
-            x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw
-        )
-        mlp = _mlp(cfg)
-        x, _ = residual(x, lambda h: (mlp(h), None), make_norm(cfg, "mlp_norm"), dropout, **kw)
-        return (x, weights) if return_weights else x
+        x = residual(x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw)
+        return residual(x, _mlp(cfg), make_norm(cfg, "mlp_norm"), dropout, **kw)
 
 
 class DecoderLayer(nn.Module):
     """Masked self-attention, encoder-decoder attention, feed-forward; each a residual sub-layer.
 
     `[b, t, d]` -> `[b, t, d]`. With ``cross_attention=False`` (decoder-only models) the middle
-    sub-layer is absent. ``decode=True`` runs the self-attention from its key/value cache, and
+    sub-layer is absent. ``decode=True`` runs the self-attention from its key/value cache
+    (``positions`` are then the new tokens' absolute positions, see ``MultiHeadAttention``), and
     the encoder-decoder attention from cached encoder keys/values when ``encoded`` is None.
-    Returns ``{"self": [b, h, t, t], "cross": [b, h, t, s]}`` weights too when ``return_weights``.
+    ``check_cache``: see ``MultiHeadAttention``. Only arrays are call arguments.
     """
 
     config: TransformerConfig
     cross_attention: bool = True
+    deterministic: bool = True
+    decode: bool = False
+    check_cache: bool = True
 
     @nn.compact
     def __call__(
         self,
         x: Array,
         encoded: Array | None,
-        self_mask: Array | None,
-        cross_mask: Array | None,
+        self_mask: Any,
+        cross_mask: Any,
         positions: Array | None = None,
-        deterministic: bool = True,
-        decode: bool = False,
-        return_weights: bool = False,
-    ):
-        # Positional (not keyword-only) so that nn.remat can mark the flags static.
+    ) -> Array:
         cfg = self.config
-        kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=deterministic)
+        kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
         self_attn = _attention(cfg, "self_attention")
 
-        def self_attention(h: Array):
-            out = self_attn(
+        def self_attention(h: Array) -> Array:
+            return self_attn(
                 h,
                 None,
                 self_mask,
                 positions_q=positions,
-                deterministic=deterministic,
-                decode=decode,
-                return_weights=return_weights,
+                deterministic=self.deterministic,
+                decode=self.decode,
+                check_cache=self.check_cache,
             )
-            return out if return_weights else (out, None)
 
-        x, self_weights = residual(
-            x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw
-        )
-        cross_weights = None
+        x = residual(x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw)
         if self.cross_attention:
             cross_attn = _attention(cfg, "cross_attention", cross=True)
 
-            def cross_attention(h: Array):
-                out = cross_attn(
-                    h,
-                    encoded,
-                    cross_mask,
-                    deterministic=deterministic,
-                    decode=decode,
-                    return_weights=return_weights,
+            def cross_attention(h: Array) -> Array:
+                return cross_attn(
+                    h, encoded, cross_mask, deterministic=self.deterministic, decode=self.decode
                 )
-                return out if return_weights else (out, None)
 
-            x, cross_weights = residual(
-                x, cross_attention, make_norm(cfg, "cross_attention_norm"), dropout, **kw
-            )
-        mlp = _mlp(cfg)
-        x, _ = residual(x, lambda h: (mlp(h), None), make_norm(cfg, "mlp_norm"), dropout, **kw)
-        if return_weights:
-            return x, {"self": self_weights, "cross": cross_weights}
-        return x
+            x = residual(x, cross_attention, make_norm(cfg, "cross_attention_norm"), dropout, **kw)
+        return residual(x, _mlp(cfg), make_norm(cfg, "mlp_norm"), dropout, **kw)

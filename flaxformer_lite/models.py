@@ -20,14 +20,18 @@ in length, future key blocks skipped), cuDNN gets ``is_causal`` and sequence len
 With ``config.scan_layers`` each layer stack is one ``nn.scan`` over a layer: parameters
 ``encoder/layers/...`` and ``decoder/layers/...`` hold every layer stacked on a leading axis
 `[num_layers, ...]` (logical axis "layers") where the unrolled model has ``layers_0`` ...
-``layers_{N-1}``. ``unstack_layers`` converts the first layout into the second; cached decoding
-(``decode=True``) runs on the unrolled one (``unrolled`` gives its parameters and config).
+``layers_{N-1}``; ``layer_stack`` builds either. ``unstack_layers`` converts the first layout
+into the second; cached decoding (``decode=True``) runs on the unrolled one (``unrolled`` gives
+its parameters and config).
+
+Attention weights are sown into the "intermediates" collection by every attention layer when
+the caller makes it mutable; ``attention_weights_per_layer`` lists them per layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -83,70 +87,66 @@ def _default_positions(tokens: Array) -> Array:
     return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
 
 
-# ----------------------------------------------------------------------------- scanned stacks
+# ----------------------------------------------------------------------------- layer stacks
 
 
-class _ScannedEncoderLayer(EncoderLayer):
-    """One step of a scanned encoder stack: ``(x, mask, positions) -> (x, weights or None)``.
+def layer_stack(
+    make_layer: Callable[[str], nn.Module], config: TransformerConfig, num_layers: int,
+    x: Array, *shared: Any,
+) -> Array:  # fmt: skip
+    """``num_layers`` layers applied in turn to x `[batch, length, d_model]`.
 
-    The Python flags are attributes, so ``nn.scan`` and ``nn.remat`` see only array arguments
-    (x carried, the rest broadcast to every layer). Parameters are named as in EncoderLayer.
+    ``make_layer(name)`` builds one layer (an ``EncoderLayer`` or ``DecoderLayer``, flags as
+    attributes) called as ``layer(x, *shared) -> x``; ``shared`` (masks, positions, encoder
+    output) is the same for every layer. Unrolled, the layers are ``layers_0`` ...
+    ``layers_{N-1}``. With ``config.scan_layers`` they are one ``nn.scan`` over a single layer
+    named ``layers``: parameters stacked on a leading axis `[num_layers, ...]` (logical axis
+    "layers"), fresh parameter and dropout RNGs per layer, sown intermediates (attention
+    weights) stacked the same way. ``config.remat`` recomputes each layer's activations in the
+    backward pass.
     """
 
-    deterministic: bool = True
-    return_weights: bool = False
+    def step(layer: nn.Module, x: Array, *shared: Any) -> tuple[Array, None]:
+        return _constrain(layer(x, *shared)), None
 
-    def __call__(self, x: Array, mask: Array | None, positions: Array | None):
-        out = super().__call__(x, mask, positions, self.deterministic, self.return_weights)
-        x, weights = out if self.return_weights else (out, None)
-        return _constrain(x), weights
+    if config.scan_layers:
+        if config.remat:
+            step = nn.remat(step, prevent_cse=False)  # inside a scan, CSE cannot undo the remat
+        scan = nn.scan(
+            step,
+            variable_axes={"params": 0, "intermediates": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast,) * len(shared),
+            length=num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        return scan(make_layer("layers"), x, *shared)[0]
+    if config.remat:
+        step = nn.remat(step)
+    for i in range(num_layers):
+        x, _ = step(make_layer(f"layers_{i}"), x, *shared)
+    return x
 
 
-class _ScannedDecoderLayer(DecoderLayer):
-    """One step of a scanned decoder stack:
-    ``(x, encoded, self_mask, cross_mask, positions) -> (x, weights or None)``.
+def attention_weights_per_layer(intermediates: Mapping) -> list[dict[str, Array]]:
+    """The attention weights an encoder or decoder sowed, one dict per layer.
 
-    No ``decode`` flag: the key/value cache is per layer, so decoding runs unrolled.
+    ``intermediates``: the stack's subtree of the "intermediates" collection, e.g.
+    ``model.apply(..., method=model.encode, mutable=["intermediates"])[1]["intermediates"]
+    ["encoder"]``, scanned (``layers``, leaves `[num_layers, ...]`) or unrolled (``layers_i``).
+    Returns ``[{"self": [batch, heads, q_len, kv_len], "cross": [batch, heads, q_len, src_len]},
+    ...]`` ("cross" only in the decoder of an encoder-decoder), float32.
     """
-
-    deterministic: bool = True
-    return_weights: bool = False
-
-    def __call__(
-        self,
-        x: Array,
-        encoded: Array | None,
-        self_mask: Array | None,
-        cross_mask: Array | None,
-        positions: Array | None,
-    ):
-        out = super().__call__(
-            x, encoded, self_mask, cross_mask, positions, self.deterministic, False,
-            self.return_weights,
-        )  # fmt: skip
-        x, weights = out if self.return_weights else (out, None)
-        return _constrain(x), weights
-
-
-def _scan_stack(layer: type[nn.Module], num_layers: int, num_broadcast: int, remat: bool):
-    """``nn.scan`` of ``layer`` over ``num_layers``: parameters stacked on a leading axis named
-    "layers", fresh params/dropout RNGs per layer, the hidden state carried, the other
-    ``num_broadcast`` arguments shared by every layer, per-layer outputs stacked on axis 0."""
-    if remat:
-        layer = nn.remat(layer, prevent_cse=False)  # inside a scan, CSE cannot undo the remat
-    return nn.scan(
-        layer,
-        variable_axes={"params": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast,) * num_broadcast,
-        length=num_layers,
-        metadata_params={nn.PARTITION_NAME: "layers"},
-    )
-
-
-def _per_layer(stacked: Any, num_layers: int) -> list[Any]:
-    """Scan outputs with leaves `[num_layers, ...]` -> a list of ``num_layers`` trees."""
-    return [jax.tree_util.tree_map(lambda w, i=i: w[i], stacked) for i in range(num_layers)]
+    layers = unstack_layers(intermediates)
+    names = sorted((k for k in layers if k.startswith("layers_")), key=lambda k: int(k[7:]))
+    return [
+        {
+            kind: layers[name][f"{kind}_attention"]["attention_weights"][0]
+            for kind in ("self", "cross")
+            if f"{kind}_attention" in layers[name]
+        }
+        for name in names
+    ]
 
 
 def _is_box(x: Any) -> bool:
@@ -240,8 +240,7 @@ class Encoder(nn.Module):
         inputs_positions: Array | None = None,
         inputs_segmentation: Array | None = None,
         deterministic: bool = True,
-        return_weights: bool = False,
-    ):
+    ) -> Array:
         cfg = self.config
         positions = _default_positions(inputs) if inputs_positions is None else inputs_positions
         x = _constrain(
@@ -256,26 +255,13 @@ class Encoder(nn.Module):
             query_segment_ids=inputs_segmentation,
             key_segment_ids=inputs_segmentation,
         )
-        weights = []
-        if cfg.scan_layers:
-            stack = _scan_stack(_ScannedEncoderLayer, cfg.num_encoder_layers, 2, cfg.remat)
-            x, stacked = stack(
-                cfg, deterministic=deterministic, return_weights=return_weights, name="layers"
-            )(x, mask, positions)
-            weights = _per_layer(stacked, cfg.num_encoder_layers) if return_weights else []
-        else:
-            for i in range(cfg.num_encoder_layers):
-                layer = nn.remat(EncoderLayer, static_argnums=(4, 5)) if cfg.remat else EncoderLayer
-                x = layer(cfg, name=f"layers_{i}")(
-                    x, mask, positions, deterministic, return_weights
-                )
-                if return_weights:
-                    x, w = x
-                    weights.append(w)
-                x = _constrain(x)
+        x = layer_stack(
+            lambda name: EncoderLayer(cfg, deterministic=deterministic, name=name),
+            cfg, cfg.num_encoder_layers, x, mask, positions,
+        )  # fmt: skip
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
-        return (x, weights) if return_weights else x
+        return x
 
 
 class Decoder(nn.Module):
@@ -301,8 +287,8 @@ class Decoder(nn.Module):
         targets_segmentation: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
-        return_weights: bool = False,
-    ):
+        check_cache: bool = True,
+    ) -> Array:
         cfg = self.config
         if decode and cfg.scan_layers:
             raise ValueError(
@@ -312,7 +298,9 @@ class Decoder(nn.Module):
                 "generate(), continue_prompt() and init_cache() do that themselves."
             )
         if decode:
-            # The cache knows how many positions came before; packing does not apply here.
+            # The model's one decoding counter: how many positions the cache holds. The new
+            # tokens' positions derive from it, and each self-attention layer writes its cache
+            # at those positions. Packing does not apply here.
             initialized = self.has_variable("cache", "position_index")
             index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
             positions = jnp.broadcast_to(
@@ -348,29 +336,17 @@ class Decoder(nn.Module):
                 decoder_inputs, positions, deterministic=deterministic
             )
         )
-        weights = []
-        if cfg.scan_layers:
-            stack = _scan_stack(_ScannedDecoderLayer, cfg.num_decoder_layers, 4, cfg.remat)
-            x, stacked = stack(
+        x = layer_stack(
+            lambda name: DecoderLayer(
                 cfg,
                 cross_attention=self.cross_attention,
                 deterministic=deterministic,
-                return_weights=return_weights,
-                name="layers",
-            )(x, encoded, self_mask, cross_mask, positions)
-            weights = _per_layer(stacked, cfg.num_decoder_layers) if return_weights else []
-        else:
-            for i in range(cfg.num_decoder_layers):
-                layer = (nn.remat(DecoderLayer, static_argnums=(6, 7, 8)) if cfg.remat
-                         else DecoderLayer)  # fmt: skip
-                x = layer(cfg, cross_attention=self.cross_attention, name=f"layers_{i}")(
-                    x, encoded, self_mask, cross_mask, positions, deterministic, decode,
-                    return_weights,
-                )  # fmt: skip
-                if return_weights:
-                    x, w = x
-                    weights.append(w)
-                x = _constrain(x)
+                decode=decode,
+                check_cache=check_cache,
+                name=name,
+            ),
+            cfg, cfg.num_decoder_layers, x, encoded, self_mask, cross_mask, positions,
+        )  # fmt: skip
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
         if cfg.tie_output_embedding:
@@ -387,7 +363,7 @@ class Decoder(nn.Module):
                 name="logits",
             )(x)
         logits = logits.astype(jnp.float32)
-        return (logits, weights) if return_weights else logits
+        return logits
 
 
 def _embedding(config: TransformerConfig, vocab_size: int, name: str) -> Embed:
@@ -430,16 +406,14 @@ class EncoderDecoder(nn.Module):
         inputs_positions: Array | None = None,
         inputs_segmentation: Array | None = None,
         deterministic: bool = True,
-        return_weights: bool = False,
-    ):
-        """int `[batch, src_len]` -> `[batch, src_len, d_model]` (and per-layer weights)."""
+    ) -> Array:
+        """int `[batch, src_len]` -> `[batch, src_len, d_model]`."""
         check_tokens("inputs", inputs, self.config)
         return self.encoder(
             inputs,
             inputs_positions=inputs_positions,
             inputs_segmentation=inputs_segmentation,
             deterministic=deterministic,
-            return_weights=return_weights,
         )
 
     def decode(
@@ -453,13 +427,16 @@ class EncoderDecoder(nn.Module):
         targets_segmentation: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
-        return_weights: bool = False,
-    ):
+        check_cache: bool = True,
+    ) -> Array:
         """Logits `[batch, tgt_len, vocab]` from *shifted* decoder inputs `[batch, tgt_len]`.
 
         ``decode=True`` runs one or more new positions against the key/value cache. In that mode
         ``encoded`` may be None once a call with it has stored the projected encoder keys and
         values in the cache (a call with zero-length ``decoder_inputs`` does only that).
+        Writing past the end of the cache raises ValueError (under ``jit``: a
+        ``JaxRuntimeError`` with the same message, unless ``check_cache=False``; see
+        ``layers.check_cache_room``).
         """
         check_tokens("decoder_inputs", decoder_inputs, self.config)
         return self.decoder(
@@ -471,7 +448,7 @@ class EncoderDecoder(nn.Module):
             targets_segmentation=targets_segmentation,
             deterministic=deterministic,
             decode=decode,
-            return_weights=return_weights,
+            check_cache=check_cache,
         )
 
     def __call__(
@@ -528,9 +505,10 @@ class DecoderOnly(nn.Module):
         segmentation: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
-        return_weights: bool = False,
-    ):
-        """Logits from *shifted* inputs `[batch, length]`; ``decode=True`` uses the cache."""
+        check_cache: bool = True,
+    ) -> Array:
+        """Logits from *shifted* inputs `[batch, length]`; ``decode=True`` uses the cache
+        (``check_cache`` as in ``EncoderDecoder.decode``)."""
         check_tokens("decoder_inputs", decoder_inputs, self.config)
         return self.decoder(
             None,
@@ -540,7 +518,7 @@ class DecoderOnly(nn.Module):
             targets_segmentation=segmentation,
             deterministic=deterministic,
             decode=decode,
-            return_weights=return_weights,
+            check_cache=check_cache,
         )
 
     def __call__(

@@ -189,3 +189,73 @@ def test_bad_arguments_name_themselves():
         dot_product_attention(q, k, v, np.ones((1, 1, 2, 2), np.float32))
     with pytest.raises(ValueError, match="dropout_rate"):
         dot_product_attention(q, k, v, dropout_rate=1.0)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+def _mha_inputs():
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
+    enc = jnp.asarray(rng.normal(size=(2, 3, 16)), jnp.float32)
+    return x, enc
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rotary_self_attention_same_with_and_without_decode_when_no_cache_is_read(fused):
+    # decode=True on a layer without a cache (the init call) used to skip rotating the keys.
+    from flaxformer_lite.layers import MultiHeadAttention
+
+    x, _ = _mha_inputs()
+    mha = MultiHeadAttention(num_heads=2, head_dim=8, use_rotary=True, fused_qkv=fused)
+    mask = causal_mask(5)
+    params = mha.init(jax.random.key(0), x, mask=mask)["params"]
+    plain = mha.apply({"params": params}, x, mask=mask)
+    decoding, _ = mha.apply({"params": params}, x, mask=mask, decode=True, mutable=["cache"])
+    np.testing.assert_array_equal(np.asarray(decoding), np.asarray(plain))
+    # Rotation matters here: without it the output differs.
+    unrotated = MultiHeadAttention(num_heads=2, head_dim=8, fused_qkv=fused)
+    assert (
+        np.abs(np.asarray(unrotated.apply({"params": params}, x, mask=mask) - plain)).max() > 1e-3
+    )
+
+
+def test_rotary_cross_attention_same_with_and_without_decode():
+    # With decode=True the projected encoder keys are cached: they must be stored rotated,
+    # and a later call that reads them back must give the same result too.
+    from flaxformer_lite.layers import MultiHeadAttention
+
+    x, enc = _mha_inputs()
+    mha = MultiHeadAttention(num_heads=2, head_dim=8, use_rotary=True, cross_attention=True)
+    params = mha.init(jax.random.key(0), x, enc)["params"]
+    plain = mha.apply({"params": params}, x, enc)
+    first, state = mha.apply({"params": params}, x, enc, decode=True, mutable=["cache"])
+    again = mha.apply({"params": params, **state}, x, None, decode=True)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(plain))
+
+
+def test_weights_are_sown_only_on_request_and_match_across_implementations():
+    from flaxformer_lite.layers import MultiHeadAttention
+    from flaxformer_lite.masks import AttentionMask
+
+    x, _ = _mha_inputs()
+    mask = AttentionMask(causal=True, key_valid=jnp.array([[True] * 5, [True] * 3 + [False] * 2]))
+    outs, sown = {}, {}
+    for impl in ("xla", "blockwise"):
+        mha = MultiHeadAttention(num_heads=2, head_dim=8, implementation=impl)
+        params = mha.init(jax.random.key(0), x, mask=mask)["params"]
+        apply = lambda p, mha=mha: mha.apply({"params": p}, x, mask=mask)  # noqa: E731
+        # Not requested: no [batch, heads, q, k] array anywhere in the blockwise computation.
+        if impl == "blockwise":
+            jaxpr = str(jax.make_jaxpr(apply)(params))
+            assert "f32[2,2,5,5]" not in jaxpr
+        outs[impl], state = mha.apply({"params": params}, x, mask=mask, mutable=["intermediates"])
+        (sown[impl],) = state["intermediates"]["attention_weights"]
+        np.testing.assert_array_equal(np.asarray(outs[impl]), np.asarray(apply(params)))
+    w = np.asarray(sown["xla"])
+    assert w.shape == (2, 2, 5, 5)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+    assert np.all(np.triu(w, 1) == 0) and np.all(w[1, :, :, 3:] == 0)  # causal, key padding
+    np.testing.assert_allclose(np.asarray(sown["blockwise"]), w, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(outs["blockwise"]), np.asarray(outs["xla"]), atol=1e-5)

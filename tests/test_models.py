@@ -282,3 +282,75 @@ def test_bad_input_names_the_argument(call, name):
 
 def test_dataclass_config_is_hashable_for_jit_static_use():
     assert hash(TINY) == hash(dataclasses.replace(TINY))
+
+
+# ----------------------------------------------------------------------------- decoding limits
+
+LM = TINY.replace(num_decoder_layers=1, max_len=8, dropout_rate=0.0)
+
+
+@pytest.fixture(scope="module")
+def lm_cache():
+    """A DecoderOnly, its parameters, an empty cache of 4 positions, and the jitted decode step
+    ``(cache, tokens) -> (logits, {"cache": cache})``."""
+    model = DecoderOnly(LM)
+    y = jnp.ones((1, 4), jnp.int32)
+    variables = jax.jit(
+        lambda: model.init(jax.random.key(0), y, decode=True, method=model.decode)
+    )()
+    params = variables["params"]
+    step = jax.jit(lambda c, t: _step(model, params, c, t))
+    return model, params, variables["cache"], step
+
+
+def _step(model, params, cache, tokens):
+    return model.apply(
+        {"params": params, "cache": cache}, tokens, decode=True, mutable=["cache"],
+        method=model.decode,
+    )  # fmt: skip
+
+
+def test_decoding_past_the_cache_raises_eagerly_under_jit_and_while_tracing(lm_cache):
+    model, params, cache, step = lm_cache
+    # One counter: the decoder's; the attention layers keep none.
+    counters = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(cache)
+        if np.ndim(leaf) == 0
+    ]
+    assert counters == ["['decoder']['position_index']"]
+    logits, full = step(cache, jnp.ones((1, 4), jnp.int32))  # fills all 4 slots
+    assert int(full["cache"]["decoder"]["position_index"]) == 4
+    assert np.isfinite(np.asarray(logits)).all()
+    tok = jnp.ones((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match="max_len=4"):  # eager: the counter is concrete
+        _step(model, params, full["cache"], tok)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="max_len=4"):  # jit: checked on device
+        jax.block_until_ready(step(full["cache"], tok))
+    with pytest.raises(ValueError, match="max_len=4"):  # static: 5 new positions never fit
+        step(cache, jnp.ones((1, 5), jnp.int32))
+
+
+def test_parameter_paths_unchanged():
+    """Checkpoints of earlier versions load: the parameter tree names are pinned."""
+    cfg = TINY.replace(num_encoder_layers=1, num_decoder_layers=1)
+    x = jnp.ones((1, 3), jnp.int32)
+    shapes = jax.eval_shape(EncoderDecoder(cfg).init, jax.random.key(0), x, x)["params"]
+    paths = {
+        "/".join(k.key for k in path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(shapes))
+    }
+    layer = "decoder/layers_0/"
+    expected = {"source_embedding/embedding"}
+    for prefix, subs in (
+        ("encoder/layers_0/", ("self_attention",)),
+        (layer, ("self_attention", "cross_attention")),
+    ):
+        for sub in subs:
+            for proj in ("query", "key", "value", "out"):
+                expected |= {f"{prefix}{sub}/{proj}/kernel", f"{prefix}{sub}/{proj}/bias"}
+            expected |= {f"{prefix}{sub}_norm/scale", f"{prefix}{sub}_norm/bias"}
+        for dense in ("wi", "wo"):
+            expected |= {f"{prefix}mlp/{dense}/kernel", f"{prefix}mlp/{dense}/bias"}
+        expected |= {f"{prefix}mlp_norm/scale", f"{prefix}mlp_norm/bias"}
+    assert paths == expected

@@ -26,5 +26,6 @@ def test_readme_example_runs():
     assert namespace["logits"].shape == (1, 4, 8000)
     assert namespace["out"].shape == (2, 6, 4, 16)
     assert namespace["weights"].shape == (2, 4, 6, 6)
+    assert [w["self"].shape for w in namespace["per_layer"]] == [(1, 4, 6, 6)] * 3
     exec(blocks[1], namespace)  # generate with beam search
     assert namespace["tokens"].shape == (1, 32)
