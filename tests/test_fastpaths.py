@@ -301,7 +301,7 @@ def test_every_attention_kernel_splits_over_tensor_for_mha_gqa_mqa_fused_or_not(
     tensor degree does not divide are rejected naming num_heads; a sharded multi-query fused
     model (kv kernel split over d_model) computes the single-device logits."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     done = subprocess.run(
         [sys.executable, "-c", TENSOR_PARALLEL],
         env=env,

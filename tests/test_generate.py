@@ -390,7 +390,7 @@ def sharded_decoding(tmp_path_factory):
     (2,1,4), greedy and beam 4, continue_prompt and the Translator, in one subprocess."""
     out = tmp_path_factory.mktemp("sharded_decoding")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "sharded_decode_helper.py"), str(out)],

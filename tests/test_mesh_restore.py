@@ -147,7 +147,7 @@ def restores(tmp_path_factory):
     """(saved leaves, {case: restored leaves}, {case: {leaf: facts}}) from the worker."""
     out = tmp_path_factory.mktemp("mesh_restore")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, __file__, str(out)],

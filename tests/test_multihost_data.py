@@ -44,7 +44,9 @@ def corpus(tmp_path_factory) -> Path:
 
 def run_workers(out: Path, workdir: Path, data_dir: Path, num_processes: int, devices: int):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    )
     address = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(

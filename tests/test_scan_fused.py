@@ -376,7 +376,7 @@ print(json.dumps({"devices": jax.device_count(), "diff": diff,
 
 def test_scanned_model_initialises_sharded_on_a_2x2x2_mesh():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     done = subprocess.run(
         [sys.executable, "-c", SHARDED_INIT],
         env=env,

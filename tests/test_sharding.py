@@ -54,9 +54,10 @@ TINY = [
 
 def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait=True):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
     if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+        )
     env.update(env_extra or {})
     cmd = [
         sys.executable,
