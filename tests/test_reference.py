@@ -234,7 +234,8 @@ def test_softmax_stays_float32_under_bfloat16_attention_module():
     }
     layer = MultiHeadAttention(num_heads=1, head_dim=4, dtype=jnp.bfloat16)
     x_q, x_kv = CLOSE_QUERY[None].astype(np.float32), CLOSE_KEYS[None].astype(np.float32)
-    out, weights = layer.apply({"params": params}, x_q, x_kv, return_weights=True)
+    out, sown = layer.apply({"params": params}, x_q, x_kv, mutable=["intermediates"])
+    (weights,) = sown["intermediates"]["attention_weights"]
     np.testing.assert_allclose(np.asarray(weights)[0, 0, 0], CLOSE_WEIGHTS, rtol=0, atol=1e-6)
     expected = ref.multi_head_attention(
         TINY, ref.to_float64(params), x_q.astype(np.float64), x_kv.astype(np.float64),
