@@ -553,14 +553,20 @@ def train_and_evaluate(
     """
     preflight.check_run(config, workdir)
     workdir = str(paths.resolve(workdir))  # a local path (made absolute) or a gs:// URI
+    created = not paths.resolve(workdir).exists()
     paths.makedirs(workdir)
     is_main = jax.process_index() == 0
     log = print if is_main else (lambda *a, **k: None)
 
     # Data first: the vocabulary sizes decide the model.
-    task = tasks.build_task(
-        config, workdir, process_index=jax.process_index(), process_count=jax.process_count()
-    )
+    try:
+        task = tasks.build_task(
+            config, workdir, process_index=jax.process_index(), process_count=jax.process_count()
+        )
+    except data.DataError:  # nothing written: a workdir this call made goes again
+        if created and is_main and not any(paths.resolve(workdir).iterdir()):
+            paths.resolve(workdir).rmdir()
+        raise
     for line in task.log_lines:
         log(f"data: {line}")
     cfg = model_config(config, task)

@@ -254,3 +254,24 @@ def test_synthetic_one_input_left_trains_on_it_only(tmp_path):
     assert (batch["inputs"][:, 1] == 1).all()  # one symbol, then EOS
     assert len({int(x) for x in batch["inputs"][:, 0]}) == 1
     assert batch["inputs"][0, 0] != held_out[0]
+
+
+def test_train_leaves_no_workdir_behind_when_the_data_is_refused(tmp_path):
+    """Through train.py's loop: the DataError comes out, and the workdir it had to create for
+    the vocabulary and token cache is gone again (an existing one stays, as it was)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_preflight import tiny_config
+
+    import train
+
+    config = tiny_config()
+    config.synthetic.update(min_len=1, max_len=1, num_symbols=2, num_eval=2)
+    with pytest.raises(DataError, match=r"config\.synthetic\.num_eval=2 must be in \[1, 2\)"):
+        train.train_and_evaluate(config, str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
+    fails_cleanly(config, tmp_path / "old", "config.synthetic.num_eval=2")
+    with pytest.raises(DataError):
+        train.train_and_evaluate(config, str(tmp_path / "old"))
+    assert snapshot(tmp_path / "old") == {"note.txt": b"kept"}
