@@ -207,6 +207,27 @@ def train_step(
     return new_state, metrics
 
 
+def jit_train_step(config: Any, model, kind: str, tx, schedule, state_shardings, mesh: Mesh):
+    """``train_step`` jitted for ``mesh`` with the run's loss and optimizer settings: the batch
+    split over ("data", "fsdp"), the state keeping its shardings (and donated), the metrics
+    replicated. train.py's loop and bench/tpu_aot.py compile this same function."""
+    return jax.jit(
+        functools.partial(
+            train_step,
+            model=model,
+            kind=kind,
+            tx=tx,
+            schedule=schedule,
+            label_smoothing=config.label_smoothing,
+            accum_steps=config.grad_accum_steps,
+            skip_nonfinite=config.skip_nonfinite_steps,
+        ),
+        in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+        out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=(0,),
+    )
+
+
 def all_finite(tree) -> jax.Array:
     """Whether every element of every leaf is finite (bool scalar)."""
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree)]))
@@ -609,22 +630,7 @@ def train_and_evaluate(
         log(f"resumed from step {int(state.step)} ({checkpointer.directory})")
 
     # Jitted steps: the batch is split over ("data", "fsdp"); the state keeps its shardings.
-    batch_sharding = sharding.batch_sharding(mesh)
-    step_fn = jax.jit(
-        functools.partial(
-            train_step,
-            model=model,
-            kind=task.kind,
-            tx=tx,
-            schedule=schedule,
-            label_smoothing=config.label_smoothing,
-            accum_steps=config.grad_accum_steps,
-            skip_nonfinite=config.skip_nonfinite_steps,
-        ),
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
-        donate_argnums=(0,),
-    )
+    step_fn = jit_train_step(config, model, task.kind, tx, schedule, state_shardings, mesh)
     eval_fn = jax.jit(
         functools.partial(
             eval_step, model=model, kind=task.kind, label_smoothing=config.label_smoothing

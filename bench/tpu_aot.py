@@ -23,7 +23,6 @@ Not run by the tests (libtpu is not a dependency, and a compile takes minutes on
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import os
@@ -39,7 +38,6 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -99,20 +97,8 @@ def compile_step(
         k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=batch_sharding)
         for k in ("inputs", "targets")
     }
-    step_fn = jax.jit(
-        functools.partial(
-            train.train_step,
-            model=model,
-            kind="translation",
-            tx=tx,
-            schedule=schedule,
-            label_smoothing=config.label_smoothing,
-            accum_steps=config.grad_accum_steps,
-            skip_nonfinite=config.skip_nonfinite_steps,
-        ),
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
-        donate_argnums=(0,),
+    step_fn = train.jit_train_step(
+        config, model, "translation", tx, schedule, state_shardings, mesh
     )
     start = time.perf_counter()
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
@@ -127,16 +113,7 @@ def compile_step(
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(state.params))
-    analytic = flops.train_flops(
-        batch=rows,
-        src_len=length,
-        tgt_len=length,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        encoder_layers=cfg.num_encoder_layers,
-        decoder_layers=cfg.num_decoder_layers,
-        vocab=cfg.output_vocab_size,
-    )
+    analytic = flops.train_flops(cfg, rows, length, length)
     mib = 2.0**20
     return {
         "topology": topology,
