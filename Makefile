@@ -11,7 +11,7 @@ CONFIG ?= configs/default.py
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,test]'
 	touch $@
 
 train: $(VENV)/.installed

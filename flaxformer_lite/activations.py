@@ -7,5 +7,11 @@ import flax.linen as nn
 
 # name -> element-wise function. "swiglu" and "geglu" are gated (Shazeer 2020): the function is
 # applied to one projection and multiplied by a second, linear one.
-ACTIVATIONS = {"relu": nn.relu, "gelu": nn.gelu, "swiglu": nn.silu, "geglu": nn.gelu}
+ACTIVATIONS = {
+    "relu": nn.relu,
+    "gelu": nn.gelu,
+    "silu": nn.silu,
+    "swiglu": nn.silu,
+    "geglu": nn.gelu,
+}
 GATED = ("swiglu", "geglu")

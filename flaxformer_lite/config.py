@@ -14,12 +14,13 @@ import jax.numpy as jnp
 
 from flaxformer_lite.activations import ACTIVATIONS as _ACTIVATION_FUNCTIONS
 from flaxformer_lite.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from flaxformer_lite.special_ids import BOS_ID, PAD_ID
+from flaxformer_lite.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 ACTIVATIONS = tuple(_ACTIVATION_FUNCTIONS)
 NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 POSITIONS = ("sinusoidal", "learned", "rotary", "none")
+SINUSOID_LAYOUTS = ("interleaved", "halves")
 DTYPES = ("float32", "bfloat16", "float16")
 POOLINGS = ("mean", "first")
 
@@ -39,13 +40,20 @@ class TransformerConfig:
       dropout_rate: residual dropout on every sub-layer output and on the embedding sums.
       attention_dropout_rate: dropout on the attention weights.
       max_len: longest sequence the position encoding supports.
-      activation: "relu" (paper), "gelu", or gated "swiglu"/"geglu".
+      activation: "relu" (paper), "gelu", "silu" (swish, Marian's), or gated "swiglu"/"geglu".
       norm_position: "post" (paper: LayerNorm(x + Sublayer(x))) or "pre" (x + Sublayer(LN(x))).
       norm_type: "layernorm" or "rmsnorm".
-      layer_norm_epsilon: 1e-6 as in the reference implementation.
+      layer_norm_epsilon: 1e-6 as in the reference implementation (Marian/BART: 1e-5).
       position: "sinusoidal" (paper), "learned", "rotary" (relative, inside attention) or "none".
+      sinusoid_layout: channel order of the sinusoids: "interleaved" (the paper: sin on even
+        channels, cos on odd ones) or "halves" (Marian/fairseq: the d_model/2 sines, then the
+        d_model/2 cosines, same frequencies).
+      scale_embeddings: multiply looked-up token embeddings by sqrt(d_model) (the paper, and
+        Marian's ``scale_embedding``); False adds positions to the raw embeddings.
       share_embeddings: one embedding table for source and target (needs equal vocabularies).
       tie_output_embedding: the pre-softmax projection is the target embedding transposed.
+      logits_bias: a learned bias `[target_vocab]` added to the output logits (Marian's
+        ``final_logits_bias``).
       use_bias: biases in the attention and feed-forward projections.
       dtype: compute dtype ("float32", "bfloat16", "float16"); softmax and loss stay float32.
       param_dtype: storage dtype of the parameters.
@@ -72,8 +80,13 @@ class TransformerConfig:
       pooling: how the classifier pools the encoder output ("mean" over real tokens, "first").
       pad_id: the padding token id in every input (default ``special_ids.PAD_ID``, what the
         tokenizers and the data pipeline use; ``generate`` pads its outputs with it too).
-      bos_id: the first decoder input (targets are shifted right behind it; default
-        ``special_ids.BOS_ID``; ``generate`` starts decoding from it).
+        Padding is found by this id: a real token must never equal it.
+      bos_id: the decoder-start token, the first decoder input (targets are shifted right
+        behind it; default ``special_ids.BOS_ID``; ``generate`` starts decoding from it).
+        Hugging Face calls it ``decoder_start_token_id``; Marian uses its pad id, which works
+        because the decoder's self-attention masks by causality, never by pad id.
+      eos_id: the end-of-sequence token every target ends with; decoding stops at it.
+      unk_id: the id of out-of-vocabulary pieces.
     """
 
     vocab_size: int = 37000
@@ -94,6 +107,9 @@ class TransformerConfig:
     position: str = "sinusoidal"
     share_embeddings: bool = True
     tie_output_embedding: bool = True
+    logits_bias: bool = False
+    scale_embeddings: bool = True
+    sinusoid_layout: str = "interleaved"
     use_bias: bool = True
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -105,6 +121,8 @@ class TransformerConfig:
     pooling: str = "mean"
     pad_id: int = PAD_ID
     bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
+    unk_id: int = UNK_ID
 
     def __post_init__(self) -> None:
         positive = (
@@ -133,7 +151,10 @@ class TransformerConfig:
                 f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
-        bools = "share_embeddings tie_output_embedding use_bias remat scan_layers fused_qkv"
+        bools = (
+            "share_embeddings tie_output_embedding logits_bias scale_embeddings use_bias remat"
+            " scan_layers fused_qkv"
+        )
         for name in bools.split():
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -146,7 +167,7 @@ class TransformerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1); got {value!r}")
-        for name in ("pad_id", "bos_id"):
+        for name in ("pad_id", "bos_id", "eos_id", "unk_id"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"TransformerConfig.{name} must be an integer; got {value!r}")
@@ -159,6 +180,7 @@ class TransformerConfig:
             "norm_position": NORM_POSITIONS,
             "norm_type": NORM_TYPES,
             "position": POSITIONS,
+            "sinusoid_layout": SINUSOID_LAYOUTS,
             "dtype": DTYPES,
             "param_dtype": DTYPES,
             "attention_implementation": ATTENTION_IMPLEMENTATIONS,
@@ -189,7 +211,7 @@ class TransformerConfig:
                 "TransformerConfig.share_embeddings=True needs target_vocab_size equal to "
                 f"vocab_size (or None); got {self.target_vocab_size} vs {self.vocab_size}"
             )
-        for name in ("pad_id", "bos_id"):
+        for name in ("pad_id", "bos_id", "eos_id", "unk_id"):
             value = getattr(self, name)
             if not 0 <= value < min(self.vocab_size, self.output_vocab_size):
                 raise ValueError(

@@ -121,9 +121,11 @@ def _search(
     row_max_len,
     config,
 ):
-    # The model's own ids: decoding starts from the BOS it was trained behind and pads with its
-    # PAD (both default to special_ids).
-    ids = dict(bos_id=config.bos_id, pad_id=config.pad_id, row_max_len=row_max_len)
+    # The model's own ids: decoding starts from the decoder-start token it was trained behind,
+    # stops at its EOS and pads with its PAD (all default to special_ids).
+    ids = dict(
+        bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id, row_max_len=row_max_len
+    )
     if method == "greedy":
         return decoding.greedy_search(
             tokens_to_logits,

@@ -488,12 +488,14 @@ class Embed(nn.Module):
 
     Initialised N(0, features^-1/2): multiplied by sqrt(features) on lookup (the paper's scaling),
     the embedded tokens have unit variance, the scale of the sinusoids they are added to.
+    ``scale=False`` looks tokens up unscaled (Marian models with ``scale_embedding=False``).
     """
 
     num_embeddings: int
     features: int
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    scale: bool = True
 
     def setup(self) -> None:
         self.embedding = self.param(
@@ -504,9 +506,11 @@ class Embed(nn.Module):
         )
 
     def __call__(self, tokens: Array) -> Array:
-        """int `[batch, length]` -> `[batch, length, features]`, scaled by sqrt(features)."""
+        """int `[batch, length]` -> `[batch, length, features]`, scaled by sqrt(features)
+        when ``scale``."""
         table = jnp.asarray(self.embedding, self.dtype)
-        return jnp.take(table, tokens, axis=0) * jnp.asarray(self.features**0.5, self.dtype)
+        x = jnp.take(table, tokens, axis=0)
+        return x * jnp.asarray(self.features**0.5, self.dtype) if self.scale else x
 
     def attend(self, x: Array) -> Array:
         """`[batch, length, features]` -> logits `[batch, length, vocab]` (x times table^T)."""

@@ -208,7 +208,8 @@ def unrolled(params: Any, config: TransformerConfig) -> tuple[Any, TransformerCo
 
 
 class _Embedder(nn.Module):
-    """Token embedding (scaled by sqrt(d_model)) + absolute positions + dropout."""
+    """Token embedding (scaled by sqrt(d_model) unless ``scale_embeddings=False``) + absolute
+    positions + dropout."""
 
     config: TransformerConfig
     embedding: Embed
@@ -218,7 +219,7 @@ class _Embedder(nn.Module):
         cfg = self.config
         x = self.embedding(tokens)
         if cfg.position == "sinusoidal":
-            x = pos_lib.add_sinusoidal(x, positions, cfg.max_len)
+            x = pos_lib.add_sinusoidal(x, positions, cfg.max_len, cfg.sinusoid_layout)
         elif cfg.position == "learned":
             x = pos_lib.LearnedPositions(
                 cfg.max_len, cfg.d_model, cfg.parameter_dtype, name="positions"
@@ -363,6 +364,14 @@ class Decoder(nn.Module):
                 name="logits",
             )(x)
         logits = logits.astype(jnp.float32)
+        if cfg.logits_bias:
+            bias = self.param(
+                "logits_bias",
+                nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+                (cfg.output_vocab_size,),
+                cfg.parameter_dtype,
+            )
+            logits = logits + jnp.asarray(bias, jnp.float32)
         return logits
 
 
@@ -372,6 +381,7 @@ def _embedding(config: TransformerConfig, vocab_size: int, name: str) -> Embed:
         config.d_model,
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
+        scale=config.scale_embeddings,
         name=name,
     )
 

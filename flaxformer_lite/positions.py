@@ -17,26 +17,37 @@ import numpy as np
 Array = jax.Array
 
 
-def sinusoidal(length: int, dim: int, max_timescale: float = 10000.0) -> Array:
+def sinusoidal(
+    length: int, dim: int, max_timescale: float = 10000.0, layout: str = "interleaved"
+) -> Array:
     """The paper's table, float32 `[length, dim]`.
 
     PE(pos, 2i) = sin(pos / 10000^(2i/dim)) and PE(pos, 2i+1) = cos(pos / 10000^(2i/dim)):
-    sine on even channels, cosine on odd channels (interleaved, not concatenated halves).
+    with ``layout="interleaved"`` (the paper) sine on even channels, cosine on odd channels;
+    with ``layout="halves"`` (Marian, fairseq) the same sines on channels [0, dim/2) and the
+    cosines on [dim/2, dim).
     """
+    if layout not in ("interleaved", "halves"):
+        raise ValueError(f"layout must be 'interleaved' or 'halves'; got {layout!r}")
     if dim % 2:
         raise ValueError(f"dim must be even for sinusoidal positions; got {dim}")
     pos = np.arange(length, dtype=np.float64)[:, None]
     inv_timescale = max_timescale ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
     angles = pos * inv_timescale[None, :]
     table = np.zeros((length, dim), dtype=np.float64)
-    table[:, 0::2] = np.sin(angles)
-    table[:, 1::2] = np.cos(angles)
+    if layout == "interleaved":
+        table[:, 0::2] = np.sin(angles)
+        table[:, 1::2] = np.cos(angles)
+    else:
+        table[:, : dim // 2] = np.sin(angles)
+        table[:, dim // 2 :] = np.cos(angles)
     return jnp.asarray(table, dtype=jnp.float32)
 
 
-def add_sinusoidal(x: Array, positions: Array, max_len: int) -> Array:
-    """Adds the sinusoid of each position. x `[batch, length, dim]`, positions `[batch, length]`."""
-    table = sinusoidal(max_len, x.shape[-1])
+def add_sinusoidal(x: Array, positions: Array, max_len: int, layout: str = "interleaved") -> Array:
+    """Adds the sinusoid of each position. x `[batch, length, dim]`, positions `[batch, length]`;
+    ``layout`` as in ``sinusoidal``."""
+    table = sinusoidal(max_len, x.shape[-1], layout=layout)
     return x + jnp.take(table, positions, axis=0).astype(x.dtype)
 
 

@@ -13,8 +13,8 @@ attention (Ainslie et al. 2023: query head h reads key/value head h // (heads / 
 Nothing here imports flaxformer_lite or jax. The inputs are a nested mapping of parameters (the
 ``params`` collection; leaves may be boxed, anything with ``.value``), the config (read only
 through its fields) and int token arrays `[batch, length]`. Every sequence is processed with
-explicit masks built here from the pad id: padding keys are never attended to, decoders are
-causal, and only real query positions are meaningful (callers compare those).
+explicit masks built here: encoder padding keys (found by the pad id) are never attended to,
+decoders are causal, and only real query positions are meaningful (callers compare those).
 """
 
 from __future__ import annotations
@@ -55,14 +55,18 @@ def layer_params(stack: Params, num_layers: int) -> list[Params]:
 # ----------------------------------------------------------------------------- positions
 
 
-def sinusoid_table(length: int, dim: int) -> np.ndarray:
-    """PE(pos, 2i) = sin(pos / 10000^(2i / dim)), PE(pos, 2i+1) = cos(same), `[length, dim]`."""
+def sinusoid_table(length: int, dim: int, layout: str = "interleaved") -> np.ndarray:
+    """PE(pos, 2i) = sin(pos / 10000^(2i / dim)), PE(pos, 2i+1) = cos(same), `[length, dim]`.
+
+    ``layout="halves"`` (Marian's): the sine of frequency i in channel i and its cosine in
+    channel dim/2 + i."""
     table = np.zeros((length, dim))
     for pos in range(length):
         for i in range(dim // 2):
             angle = pos / 10000.0 ** (2 * i / dim)
-            table[pos, 2 * i] = math.sin(angle)
-            table[pos, 2 * i + 1] = math.cos(angle)
+            sin_at, cos_at = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, dim // 2 + i)
+            table[pos, sin_at] = math.sin(angle)
+            table[pos, cos_at] = math.cos(angle)
     return table
 
 
@@ -130,6 +134,7 @@ def feed_forward(cfg: Any, p: Params, x: np.ndarray) -> np.ndarray:
     act = {
         "relu": lambda z: np.maximum(z, 0.0),
         "gelu": gelu_tanh,
+        "silu": silu,
         "swiglu": silu,
         "geglu": gelu_tanh,
     }[cfg.activation]
@@ -221,12 +226,13 @@ def sub_layer(cfg: Any, norm_p: Params, x: np.ndarray, f) -> np.ndarray:
 
 
 def embed(cfg: Any, table: np.ndarray, stack: Params, tokens: np.ndarray) -> np.ndarray:
-    """Section 3.4/3.5: E[token] * sqrt(d_model) + absolute position (rotary/none add none)."""
+    """Section 3.4/3.5: E[token] * sqrt(d_model) (unless scale_embeddings=False) + absolute
+    position (rotary/none add none)."""
     d = table.shape[1]
-    x = table[tokens] * math.sqrt(d)
+    x = table[tokens] * (math.sqrt(d) if cfg.scale_embeddings else 1.0)
     n = tokens.shape[1]
     if cfg.position == "sinusoidal":
-        x = x + sinusoid_table(n, d)[None]
+        x = x + sinusoid_table(n, d, cfg.sinusoid_layout)[None]
     elif cfg.position == "learned":
         x = x + stack["embedder"]["positions"]["embedding"][:n][None]
     return x
@@ -266,11 +272,13 @@ def decoder(
     source: np.ndarray | None = None,
 ) -> np.ndarray:
     """Shifted decoder inputs int `[b, t]` (+ encoder output `[b, s, d]` and source tokens
-    `[b, s]`) -> final hidden states `[b, t, d_model]`. Self-attention is causal and skips pad
-    keys; encoder-decoder attention skips padded source positions."""
+    `[b, s]`) -> final hidden states `[b, t, d_model]`. Self-attention is causal (which alone
+    keeps real positions off padding); encoder-decoder attention skips padded source positions."""
     n = decoder_inputs.shape[1]
     causal = np.tril(np.ones((n, n), bool))[None]
-    self_allowed = causal & (decoder_inputs != cfg.pad_id)[:, None, :]
+    # Causal only: every key at or before a real position is real (or the decoder-start token,
+    # which Marian makes the pad id), as in Hugging Face's decoders.
+    self_allowed = np.broadcast_to(causal, (decoder_inputs.shape[0], n, n))
     rot = _positions(decoder_inputs) if cfg.position == "rotary" else None
     cross_allowed = None
     if encoded is not None:
@@ -304,10 +312,9 @@ def decoder(
 
 def output_logits(cfg: Any, p: Params, table: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Section 3.4: the pre-softmax projection is the embedding transposed (tied), else its own
-    kernel `[d_model, vocab]`."""
-    if cfg.tie_output_embedding:
-        return x @ table.T
-    return x @ p["logits"]["kernel"]
+    kernel `[d_model, vocab]`; plus Marian's final logits bias when the config has one."""
+    logits = x @ table.T if cfg.tie_output_embedding else x @ p["logits"]["kernel"]
+    return logits + p["logits_bias"] if cfg.logits_bias else logits
 
 
 def shift_right(targets: np.ndarray, bos_id: int) -> np.ndarray:

@@ -38,11 +38,14 @@ SRC_LENGTHS = (9, 6, 3)  # real tokens per row; the rest is padding
 TGT_LENGTHS = (7, 4, 2)
 
 
-def padded_tokens(rng: np.random.Generator, lengths, length: int, vocab: int) -> np.ndarray:
-    """int32 `[len(lengths), length]`: real ids in [1, vocab) (never pad 0), then padding."""
+def padded_tokens(
+    rng: np.random.Generator, lengths, length: int, vocab: int, pad: int = 0
+) -> np.ndarray:
+    """int32 `[len(lengths), length]`: real ids in [0, vocab) other than ``pad``, then ``pad``."""
     t = rng.integers(1, vocab, size=(len(lengths), length)).astype(np.int32)
+    t = np.where(t == pad, 0, t)  # 0 is real unless it is the pad id, and then never drawn
     for row, n in enumerate(lengths):
-        t[row, n:] = 0
+        t[row, n:] = pad
     return t
 
 
@@ -104,6 +107,19 @@ SEQ2SEQ = {
         fused_qkv=True,
         scan_layers=True,
     ),
+    # Marian (opus-mt): swish, sin|cos halves, unscaled embeddings, a final logits bias,
+    # LayerNorm eps 1e-5, pad = decoder start = last id, EOS 0, UNK 1.
+    "marian": TINY.replace(
+        activation="silu",
+        sinusoid_layout="halves",
+        scale_embeddings=False,
+        logits_bias=True,
+        layer_norm_epsilon=1e-5,
+        pad_id=47,
+        bos_id=47,
+        eos_id=0,
+        unk_id=1,
+    ),
 }
 
 
@@ -111,14 +127,14 @@ SEQ2SEQ = {
 def test_encoder_decoder_matches_float64_reference(name):
     cfg = SEQ2SEQ[name]
     rng = np.random.default_rng(0)
-    x = padded_tokens(rng, SRC_LENGTHS, 10, cfg.vocab_size)
-    y = padded_tokens(rng, TGT_LENGTHS, 8, cfg.output_vocab_size)
+    x = padded_tokens(rng, SRC_LENGTHS, 10, cfg.vocab_size, cfg.pad_id)
+    y = padded_tokens(rng, TGT_LENGTHS, 8, cfg.output_vocab_size, cfg.pad_id)
     model = EncoderDecoder(cfg)
     params = random_params(model, x, y)
     logits = jitted_apply(type(model), cfg)({"params": params}, x, y)
     expected = ref.encoder_decoder_logits(cfg, params, x, y)
     assert logits.shape == expected.shape == (3, 8, cfg.output_vocab_size)
-    assert max_error_at(logits, expected, y != 0) < LOGITS_ATOL
+    assert max_error_at(logits, expected, y != cfg.pad_id) < LOGITS_ATOL
 
 
 DECODER_ONLY = {
