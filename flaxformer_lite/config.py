@@ -40,7 +40,8 @@ class TransformerConfig:
       dropout_rate: residual dropout on every sub-layer output and on the embedding sums.
       attention_dropout_rate: dropout on the attention weights.
       max_len: longest sequence the position encoding supports.
-      activation: "relu" (paper), "gelu", "silu" (swish, Marian's), or gated "swiglu"/"geglu".
+      activation: "relu" (paper), "gelu" (tanh approximation), "gelu_exact" (erf), "silu"
+        (swish, Marian's), or gated "swiglu"/"geglu".
       norm_position: "post" (paper: LayerNorm(x + Sublayer(x))) or "pre" (x + Sublayer(LN(x))).
       norm_type: "layernorm" or "rmsnorm".
       layer_norm_epsilon: 1e-6 as in the reference implementation (Marian/BART: 1e-5).

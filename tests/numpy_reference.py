@@ -119,6 +119,10 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
@@ -134,6 +138,7 @@ def feed_forward(cfg: Any, p: Params, x: np.ndarray) -> np.ndarray:
     act = {
         "relu": lambda z: np.maximum(z, 0.0),
         "gelu": gelu_tanh,
+        "gelu_exact": gelu_erf,
         "silu": silu,
         "swiglu": silu,
         "geglu": gelu_tanh,

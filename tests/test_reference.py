@@ -90,6 +90,7 @@ SEQ2SEQ = {
     "post_swiglu": TINY.replace(activation="swiglu"),
     "pre_relu": TINY.replace(norm_position="pre"),
     "pre_geglu": TINY.replace(norm_position="pre", activation="geglu"),
+    "post_gelu_exact": TINY.replace(activation="gelu_exact"),
     # configs/lm_tinyshakespeare and others: learned positions; untied, unshared, no bias, gelu.
     "learned_untied_nobias_gelu": TINY.replace(
         position="learned",
