@@ -12,15 +12,15 @@ separate embeddings, and its own special ids (pad = decoder start = the last id,
 Reading needs neither torch nor transformers: ``config.json`` is JSON, ``model.safetensors``
 reads into NumPy (a ``pytorch_model.bin`` needs torch). Parameter names map one to one::
 
-    model.{encoder,decoder}.layers.i.self_attn.{q,k,v}_proj  ->  .../layers_i/self_attention/{query,key,value}
-    model.{encoder,decoder}.layers.i.self_attn.out_proj      ->  .../layers_i/self_attention/out
-    model.decoder.layers.i.encoder_attn.*                    ->  decoder/layers_i/cross_attention/*
-    *.self_attn_layer_norm / encoder_attn_layer_norm         ->  self_attention_norm / cross_attention_norm
-    *.fc1 / fc2 / final_layer_norm                           ->  mlp/wi / mlp/wo / mlp_norm
-    model.shared (or the encoder's embed_tokens)             ->  source_embedding
-    model.decoder.embed_tokens (unshared embeddings)         ->  target_embedding
-    lm_head (untied)                                         ->  decoder/logits (transposed)
-    final_logits_bias `[1, vocab]`                           ->  decoder/logits_bias `[vocab]`
+    model.{en,de}coder.layers.i.self_attn.{q,k,v}_proj  ->  .../layers_i/self_attention/{query,...}
+    model.{en,de}coder.layers.i.self_attn.out_proj      ->  .../layers_i/self_attention/out
+    model.decoder.layers.i.encoder_attn.*               ->  decoder/layers_i/cross_attention/*
+    *.self_attn_layer_norm, *.encoder_attn_layer_norm   ->  {self,cross}_attention_norm
+    *.fc1 / fc2 / final_layer_norm                      ->  mlp/wi / mlp/wo / mlp_norm
+    model.shared (or the encoder's embed_tokens)        ->  source_embedding
+    model.decoder.embed_tokens (unshared embeddings)    ->  target_embedding
+    lm_head (untied)                                    ->  decoder/logits (transposed)
+    final_logits_bias `[1, vocab]`                      ->  decoder/logits_bias `[vocab]`
 
 PyTorch ``Linear`` weights are `[out, in]`; ours are `[in, heads, head_dim]` (queries, keys,
 values), `[heads, head_dim, out]` (attention output) and `[in, out]` (feed-forward). Marian's
