@@ -242,3 +242,32 @@ def test_bad_inputs_name_the_problem(tmp_path, saved):
     with pytest.raises(ValueError, match="norm_position='pre'"):
         hf.save_pretrained(str(tmp_path / "out"), config.replace(norm_position="pre"), params)
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_pytorch_bin_weights_load_like_safetensors(saved, tmp_path):
+    """An older checkpoint (``pytorch_model.bin``, every tied copy and the position tables
+    stored, as the opus-mt repositories have them) loads to the same parameters."""
+    _, model, folder, config, params = saved
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # tied copies included
+    assert "model.encoder.embed_positions.weight" in state
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    config2, params2, _ = hf.load_pretrained(str(tmp_path))
+    assert config2 == config
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, params2)
+
+
+def test_a_hub_id_that_cannot_be_fetched_says_so(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never the network in tests
+    with pytest.raises(FileNotFoundError, match="could not be fetched from the Hugging Face hub"):
+        hf.load_pretrained("flaxformer-lite-tests/no-such-model")
+
+
+def test_save_and_load_through_a_bucket(saved, gcs):
+    """``gs://`` folders both ways (a real GCS server on localhost: the ``gcs`` fixture)."""
+    _, _, _, config, params = saved
+    uri = f"gs://bucket/marian-{config.activation}-{config.output_vocab_size}"
+    hf.save_pretrained(uri, config, params)
+    config2, params2, _ = hf.load_pretrained(uri)
+    assert config2 == config
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, params2)
