@@ -418,7 +418,8 @@ def generate_jit(
     of the data axes) and optional ``row_max_len`` `[padded_rows]`, the first ``rows`` of the
     results returned (None: all of them). Called directly (``.lower`` for ahead-of-time
     compilation), it places nothing itself: arguments on other shardings are moved inside the
-    call."""
+    call; ``banned_ids`` must then be a tuple (a static argument; :func:`generate` makes it
+    one)."""
     _check_method(method)
     max_len = check_decode_len(config, max_len)
     params = _constrain_params(params, EncoderDecoder, config, mesh)
