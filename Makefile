@@ -31,7 +31,7 @@ format: $(VENV)/.installed
 	$(PY) -m ruff check --fix .
 
 bench: $(VENV)/.installed
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 # Multi30k En-De (README "Results"): train, then BLEU on test2016 with the config's beam and alpha.

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
+from flax import struct, traverse_util
+from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxformer_lite import data, flops, lm_task, losses, optim, paths, preflight, sharding, tasks
@@ -102,13 +103,29 @@ def build_model(kind: str, cfg: TransformerConfig) -> nn.Module:
 
 
 def forward(model: nn.Module, kind: str, params, batch, *, deterministic: bool, rng=None):
-    """Logits, labels and weights of one batch, for any of the three models."""
+    """Logits, labels, weights of one batch, for any of the three models, and the auxiliary
+    losses the model sowed (``{"moe_aux_loss": ..., "router_z_loss": ..., "moe_dropped":
+    ...}``, each the mean over mixture-of-experts layers; empty for dense models)."""
     rngs = None if deterministic else {"dropout": rng}
-    apply = functools.partial(
-        model.apply, {"params": params}, deterministic=deterministic, rngs=rngs
+    moe = model.config.num_experts > 0
+    apply_fn = functools.partial(
+        model.apply,
+        {"params": params},
+        deterministic=deterministic,
+        rngs=rngs,
+        mutable=["losses"] if moe else False,
     )
+    aux: dict[str, jax.Array] = {}
+
+    def apply(*args, **kwargs):
+        if not moe:
+            return apply_fn(*args, **kwargs)
+        out, state = apply_fn(*args, **kwargs)
+        aux.update(moe_losses(state.get("losses", {})))
+        return out
+
     if kind == "classification":
-        return apply(batch["inputs"]), batch["label"], batch["weights"]
+        return apply(batch["inputs"]), batch["label"], batch["weights"], aux
     if kind == "lm":
         logits = apply(
             batch["targets"],
@@ -125,10 +142,28 @@ def forward(model: nn.Module, kind: str, params, batch, *, deterministic: bool, 
             targets_segmentation=batch.get("targets_segmentation"),
         )
     targets = batch["targets"]
-    return logits, targets, (targets != model.config.pad_id).astype(jnp.float32)
+    return logits, targets, (targets != model.config.pad_id).astype(jnp.float32), aux
 
 
 SUM_KEYS = ("smoothed_kl", "nll", "count", "correct")
+MOE_KEYS = ("moe_aux_loss", "router_z_loss", "moe_dropped")
+
+
+def moe_losses(losses) -> dict[str, jax.Array]:
+    """Mean over mixture-of-experts layers of each sown auxiliary loss (``moe.MoeBlock``):
+    unrolled layers sow one value each, a scanned stack one value per layer."""
+    flat = traverse_util.flatten_dict(unfreeze(losses))
+    out = {}
+    for key in MOE_KEYS:
+        values = [jnp.ravel(v) for path, leaf in flat.items() if path[-1] == key for v in leaf]
+        if values:
+            out[key] = jnp.mean(jnp.concatenate(values))
+    return out
+
+
+def sum_keys(cfg: TransformerConfig) -> tuple[str, ...]:
+    """The keys ``loss_sums`` returns for a model of ``cfg``."""
+    return SUM_KEYS + (MOE_KEYS if cfg.num_experts > 0 else ())
 
 
 def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng=None):
@@ -138,14 +173,27 @@ def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng
     the smoothed target's entropy, i.e. the KL divergence from the smoothed target to the
     model (0 for a perfect prediction; the plain cross-entropy when ``label_smoothing`` is 0),
     hence the key ``smoothed_kl``. ``nll`` is the unsmoothed cross-entropy of the labels.
+
+    A mixture-of-experts model adds its weighted auxiliary losses (per token, so x count in
+    the sum): ``moe_aux_loss_weight x`` load balancing + ``router_z_loss_weight x`` z-loss;
+    ``moe_aux_loss``, ``router_z_loss`` and ``moe_dropped`` are returned x count too.
     """
-    logits, labels, weights = forward(
+    logits, labels, weights, aux = forward(
         model, kind, params, batch, deterministic=deterministic, rng=rng
     )
     kl, count = losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing)
     nll, _ = losses.smoothed_cross_entropy(logits, labels, weights, 0.0)
     correct = losses.correct_predictions(logits, labels, weights)
-    return kl, {"smoothed_kl": kl, "nll": nll, "count": count, "correct": correct}
+    sums = {"smoothed_kl": kl, "nll": nll, "count": count, "correct": correct}
+    objective = kl
+    if aux:
+        cfg = model.config
+        objective = kl + count * (
+            cfg.moe_aux_loss_weight * aux["moe_aux_loss"]
+            + cfg.router_z_loss_weight * aux["router_z_loss"]
+        )
+        sums.update({k: count * v for k, v in aux.items()})
+    return objective, sums
 
 
 # ----------------------------------------------------------------------------- steps
@@ -185,7 +233,9 @@ def train_step(
             g, s = grad_fn(state.params, mb, rng=jax.random.fold_in(rng, i))
             return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
 
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, (state.params, _zero_sums()))
+        zeros = jax.tree_util.tree_map(
+            jnp.zeros_like, (state.params, _zero_sums(sum_keys(model.config)))
+        )
         (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
     denom = jnp.maximum(sums["count"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
@@ -254,8 +304,8 @@ def keep_counters_only(finite: jax.Array, new_state: TrainState, old_state: Trai
     return jax.tree_util.tree_map(pick, new_state, old_state)
 
 
-def _zero_sums() -> dict[str, jax.Array]:
-    return {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS}
+def _zero_sums(keys: tuple[str, ...] = SUM_KEYS) -> dict[str, jax.Array]:
+    return {k: jnp.zeros((), jnp.float32) for k in keys}
 
 
 def eval_step(params, batch, *, model, kind, label_smoothing):
@@ -267,11 +317,13 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
     """Per-token means from summed counts: ``smoothed_kl`` (the training objective, see
     ``loss_sums``), accuracy, and the perplexity of the unsmoothed cross-entropy."""
     count = max(sums["count"], 1.0)
-    return {
+    out = {
         f"{prefix}/smoothed_kl": sums["smoothed_kl"] / count,
         f"{prefix}/accuracy": sums["correct"] / count,
         f"{prefix}/perplexity": float(np.exp(min(sums["nll"] / count, 50.0))),
     }
+    out.update({f"{prefix}/{k}": sums[k] / count for k in MOE_KEYS if k in sums})
+    return out
 
 
 def batch_train_flops(kind: str, cfg: TransformerConfig, batch) -> float:
@@ -463,8 +515,9 @@ class LogWindow:
 
     def add(self, metrics: dict[str, Any], flops: float, timed: bool) -> None:
         """Adds one step's host metrics (see ``train_step``)."""
-        for k in SUM_KEYS:
-            self.sums[k] += float(metrics[k])
+        for k in (*SUM_KEYS, *MOE_KEYS):  # the MoE sums only in a mixture-of-experts run
+            if k in metrics:
+                self.sums[k] = self.sums.get(k, 0.0) + float(metrics[k])
         self.grad_norm_sum += float(metrics["grad_norm"])
         self.steps += 1
         self.learning_rate = float(metrics["learning_rate"])
@@ -526,7 +579,7 @@ class Run:
 def evaluate(run: Run, params, step: int) -> dict[str, float]:
     """Eval-set metrics (and decoding metrics when the task has them) of ``params``, written
     to ``metrics.jsonl`` and logged."""
-    totals = dict.fromkeys(SUM_KEYS, 0.0)
+    totals = dict.fromkeys(sum_keys(run.cfg), 0.0)
     for batch in run.task.eval_batches:
         batch = sharding.host_local_to_global(sharding.process_rows(batch), run.mesh)
         for k, v in jax.device_get(run.eval_fn(params, batch)).items():

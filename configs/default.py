@@ -30,6 +30,12 @@ def get_config():
         activation="relu",
         use_bias=True,
         dtype="float32",
+        # Mixture of experts (0 = dense): --config.model.num_experts=4 makes every layer's
+        # feed-forward block 4 experts, each token routed to num_experts_per_token of them.
+        num_experts=0,
+        num_experts_per_token=2,
+        expert_capacity_factor=1.25,
+        moe_every=1,
     )
     c.schedule = "cosine"
     c.learning_rate = 2e-3

@@ -22,7 +22,7 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 POSITIONS = ("sinusoidal", "learned", "rotary", "none")
 SINUSOID_LAYOUTS = ("interleaved", "halves")
 DTYPES = ("float32", "bfloat16", "float16")
-POOLINGS = ("mean", "first")
+POOLINGS = ("mean", "first", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,8 @@ class TransformerConfig:
       dropout_rate: residual dropout on every sub-layer output and on the embedding sums.
       attention_dropout_rate: dropout on the attention weights.
       max_len: longest sequence the position encoding supports.
-      activation: "relu" (paper), "gelu", "silu" (swish, Marian's), or gated "swiglu"/"geglu".
+      activation: "relu" (paper), "gelu" (tanh approximation), "gelu_exact" (erf), "silu"
+        (swish, Marian's), or gated "swiglu"/"geglu".
       norm_position: "post" (paper: LayerNorm(x + Sublayer(x))) or "pre" (x + Sublayer(LN(x))).
       norm_type: "layernorm" or "rmsnorm".
       layer_norm_epsilon: 1e-6 as in the reference implementation (Marian/BART: 1e-5).
@@ -77,7 +78,10 @@ class TransformerConfig:
         keeps separate query and key/value projections (its keys and values come from the
         encoder output).
       num_classes: labels of the EncoderClassifier head.
-      pooling: how the classifier pools the encoder output ("mean" over real tokens, "first").
+      pooling: how the classifier pools the encoder output: "mean" over real tokens, "first"
+        (position 0, a classification token) or "attention" (a softmax over real tokens of
+        their dot products with a learned query, scaled by 1/sqrt(d_model); the weights are
+        sown as ``pooling_weights``).
       pad_id: the padding token id in every input (default ``special_ids.PAD_ID``, what the
         tokenizers and the data pipeline use; ``generate`` pads its outputs with it too).
         Padding is found by this id: a real token must never equal it.
@@ -87,6 +91,18 @@ class TransformerConfig:
         because the decoder's self-attention masks by causality, never by pad id.
       eos_id: the end-of-sequence token every target ends with; decoding stops at it.
       unk_id: the id of out-of-vocabulary pieces.
+      num_experts: feed-forward experts of a mixture-of-experts layer (``moe.MoeBlock``);
+        0 = every layer is dense.
+      num_experts_per_token: experts each token is routed to (top-k).
+      expert_capacity_factor: slots per expert = ceil(factor x tokens x k / experts) per
+        sequence during training (assignments beyond are dropped); None = no limit.
+        Evaluation and decoding never drop.
+      moe_every: layer i of a stack is a mixture-of-experts layer when (i + 1) % moe_every
+        == 0 (1: every layer, 2: every second layer, as in GShard and Switch); must be 1 with
+        ``scan_layers`` (one scanned layer body).
+      moe_aux_loss_weight: weight of the load-balancing loss (mean over MoE layers) in the
+        training objective.
+      router_z_loss_weight: weight of the router z-loss (mean over MoE layers).
     """
 
     vocab_size: int = 37000
@@ -123,6 +139,12 @@ class TransformerConfig:
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
     unk_id: int = UNK_ID
+    num_experts: int = 0
+    num_experts_per_token: int = 2
+    expert_capacity_factor: float | None = 1.25
+    moe_every: int = 1
+    moe_aux_loss_weight: float = 0.01
+    router_z_loss_weight: float = 0.001
 
     def __post_init__(self) -> None:
         positive = (
@@ -218,6 +240,43 @@ class TransformerConfig:
                     f"TransformerConfig.{name} must be in [0, vocab_size); got {value} "
                     f"with vocab_size={self.vocab_size}"
                 )
+
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_token", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(
+                    f"TransformerConfig.{name} must be a non-negative integer; got {value!r}"
+                )
+        for name in ("moe_aux_loss_weight", "router_z_loss_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"TransformerConfig.{name} must be a number >= 0; got {value!r}")
+        factor = self.expert_capacity_factor
+        if factor is not None and (
+            not isinstance(factor, int | float) or isinstance(factor, bool) or factor <= 0
+        ):
+            raise ValueError(
+                f"TransformerConfig.expert_capacity_factor must be None or > 0; got {factor!r}"
+            )
+        if self.moe_every < 1:
+            raise ValueError(f"TransformerConfig.moe_every must be >= 1; got {self.moe_every}")
+        if self.num_experts and not 1 <= self.num_experts_per_token <= self.num_experts:
+            raise ValueError(
+                "TransformerConfig.num_experts_per_token must be in [1, num_experts="
+                f"{self.num_experts}]; got {self.num_experts_per_token}"
+            )
+        if self.num_experts and self.scan_layers and self.moe_every != 1:
+            raise ValueError(
+                "TransformerConfig.moe_every must be 1 with scan_layers=True (one scanned "
+                f"layer body serves every layer); got {self.moe_every}"
+            )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` (from 0) of a stack has a mixture-of-experts block."""
+        return self.num_experts > 0 and (index + 1) % self.moe_every == 0
 
     # Derived sizes.
     @property

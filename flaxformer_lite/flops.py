@@ -9,6 +9,8 @@ heads of width ``hd`` (``config.head_dim``) and model width ``d``:
   key and value projections      2 * m * d * (kv * hd)       each (multi-/grouped-query: kv < h)
   scores q k^T and weights @ v   2 * n * m * (h * hd)        each
   feed-forward                   2 * n * d * d_ff * (2, or 3 for the gated swiglu/geglu)
+  mixture-of-experts layer       k x that (the k experts a token is routed to; capacity
+                                 slots left empty are not model FLOPs) + router 2 * n * d * E
   logits (once)                  2 * t * d * vocab
 
 Attention is counted over the full square even where a causal mask discards half (what the
@@ -42,6 +44,14 @@ def _ffn_flops(config: TransformerConfig, n: int) -> int:
     return 2 * n * config.d_model * config.d_ff * matrices
 
 
+def _layer_ffn_flops(config: TransformerConfig, n: int, index: int) -> int:
+    """Feed-forward FLOPs of layer ``index``: dense, or k routed experts plus the router."""
+    if not config.is_moe_layer(index):
+        return _ffn_flops(config, n)
+    router = 2 * n * config.d_model * config.num_experts
+    return config.num_experts_per_token * _ffn_flops(config, n) + router
+
+
 def forward_flops(
     config: TransformerConfig, batch: int, src_len: int, tgt_len: int, *, num_classes: int = 0
 ) -> float:
@@ -57,13 +67,16 @@ def forward_flops(
             f"batch, src_len and tgt_len must be >= 0; got {batch}, {src_len}, {tgt_len}"
         )
     s, t = src_len, tgt_len
-    encoder = config.num_encoder_layers * (_attention_flops(config, s, s) + _ffn_flops(config, s))
+    encoder = config.num_encoder_layers * _attention_flops(config, s, s) + sum(
+        _layer_ffn_flops(config, s, i) for i in range(config.num_encoder_layers)
+    )
     decoder = 0
     if t:
         cross = _attention_flops(config, t, s) if s else 0
-        per_layer = _attention_flops(config, t, t) + cross + _ffn_flops(config, t)
-        decoder = config.num_decoder_layers * per_layer + 2 * t * config.d_model * (
-            config.output_vocab_size
+        decoder = (
+            config.num_decoder_layers * (_attention_flops(config, t, t) + cross)
+            + sum(_layer_ffn_flops(config, t, i) for i in range(config.num_decoder_layers))
+            + 2 * t * config.d_model * config.output_vocab_size
         )
     head = 2 * config.d_model * num_classes
     return float(batch * ((encoder if s else 0) + decoder + head))

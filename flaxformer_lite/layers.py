@@ -564,6 +564,29 @@ def _attention(config: TransformerConfig, name: str, *, cross: bool = False) -> 
     )
 
 
+def _feed_forward(
+    config: TransformerConfig, moe: bool, deterministic: bool, valid: Array | None = None
+) -> Callable[[Array], Array]:
+    """The layer's feed-forward sub-layer: ``MlpBlock``, or ``moe.MoeBlock`` in a
+    mixture-of-experts layer (routing only the ``valid`` `[batch, length]` tokens)."""
+    if not moe:
+        return _mlp(config)
+    from flaxformer_lite.moe import MoeBlock
+
+    block = MoeBlock(
+        num_experts=config.num_experts,
+        k=config.num_experts_per_token,
+        d_ff=config.d_ff,
+        capacity_factor=config.expert_capacity_factor,
+        activation=config.activation,
+        use_bias=config.use_bias,
+        dtype=config.compute_dtype,
+        param_dtype=config.parameter_dtype,
+        name="moe",
+    )
+    return lambda h: block(h, valid, deterministic=deterministic)
+
+
 def _mlp(config: TransformerConfig) -> MlpBlock:
     return MlpBlock(
         d_ff=config.d_ff,
@@ -579,11 +602,13 @@ class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each in a residual sub-layer. `[b, s, d]` -> `[b, s, d]`.
 
     Only arrays are call arguments (the flags are attributes), so ``nn.remat`` and ``nn.scan``
-    take the layer as it is (``models.layer_stack``).
+    take the layer as it is (``models.layer_stack``). ``moe``: the feed-forward block is a
+    mixture of experts (``moe.MoeBlock``, routing the real tokens of ``mask.query_valid``).
     """
 
     config: TransformerConfig
     deterministic: bool = True
+    moe: bool = False
 
     @nn.compact
     def __call__(self, x: Array, mask: Any, positions: Array | None = None) -> Array:
@@ -596,7 +621,9 @@ class EncoderLayer(nn.Module):
             return attn(h, None, mask, positions_q=positions, deterministic=self.deterministic)
 
         x = residual(x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw)
-        return residual(x, _mlp(cfg), make_norm(cfg, "mlp_norm"), dropout, **kw)
+        valid = getattr(mask, "query_valid", None)
+        ffn = _feed_forward(cfg, self.moe, self.deterministic, valid)
+        return residual(x, ffn, make_norm(cfg, "mlp_norm"), dropout, **kw)
 
 
 class DecoderLayer(nn.Module):
@@ -606,7 +633,8 @@ class DecoderLayer(nn.Module):
     sub-layer is absent. ``decode=True`` runs the self-attention from its key/value cache
     (``positions`` are then the new tokens' absolute positions, see ``MultiHeadAttention``), and
     the encoder-decoder attention from cached encoder keys/values when ``encoded`` is None.
-    ``check_cache``: see ``MultiHeadAttention``. Only arrays are call arguments.
+    ``check_cache``: see ``MultiHeadAttention``. Only arrays are call arguments. ``moe``: the
+    feed-forward block is a mixture of experts (``moe.MoeBlock``; every position is routed).
     """
 
     config: TransformerConfig
@@ -614,6 +642,7 @@ class DecoderLayer(nn.Module):
     deterministic: bool = True
     decode: bool = False
     check_cache: bool = True
+    moe: bool = False
 
     @nn.compact
     def __call__(
@@ -650,4 +679,5 @@ class DecoderLayer(nn.Module):
                 )
 
             x = residual(x, cross_attention, make_norm(cfg, "cross_attention_norm"), dropout, **kw)
-        return residual(x, _mlp(cfg), make_norm(cfg, "mlp_norm"), dropout, **kw)
+        ffn = _feed_forward(cfg, self.moe, self.deterministic)
+        return residual(x, ffn, make_norm(cfg, "mlp_norm"), dropout, **kw)

@@ -91,18 +91,19 @@ def _default_positions(tokens: Array) -> Array:
 
 
 def layer_stack(
-    make_layer: Callable[[str], nn.Module], config: TransformerConfig, num_layers: int,
+    make_layer: Callable[[str, int], nn.Module], config: TransformerConfig, num_layers: int,
     x: Array, *shared: Any,
 ) -> Array:  # fmt: skip
     """``num_layers`` layers applied in turn to x `[batch, length, d_model]`.
 
-    ``make_layer(name)`` builds one layer (an ``EncoderLayer`` or ``DecoderLayer``, flags as
-    attributes) called as ``layer(x, *shared) -> x``; ``shared`` (masks, positions, encoder
-    output) is the same for every layer. Unrolled, the layers are ``layers_0`` ...
-    ``layers_{N-1}``. With ``config.scan_layers`` they are one ``nn.scan`` over a single layer
-    named ``layers``: parameters stacked on a leading axis `[num_layers, ...]` (logical axis
-    "layers"), fresh parameter and dropout RNGs per layer, sown intermediates (attention
-    weights) stacked the same way. ``config.remat`` recomputes each layer's activations in the
+    ``make_layer(name, index)`` builds layer ``index`` (an ``EncoderLayer`` or
+    ``DecoderLayer``, flags as attributes) called as ``layer(x, *shared) -> x``; ``shared``
+    (masks, positions, encoder output) is the same for every layer. Unrolled, the layers are
+    ``layers_0`` ... ``layers_{N-1}``. With ``config.scan_layers`` they are one ``nn.scan``
+    over a single layer named ``layers`` (built with index 0): parameters stacked on a leading
+    axis `[num_layers, ...]` (logical axis "layers"), fresh parameter and dropout RNGs per
+    layer, sown intermediates (attention weights) and losses (mixture-of-experts auxiliary
+    losses) stacked the same way. ``config.remat`` recomputes each layer's activations in the
     backward pass.
     """
 
@@ -114,17 +115,17 @@ def layer_stack(
             step = nn.remat(step, prevent_cse=False)  # inside a scan, CSE cannot undo the remat
         scan = nn.scan(
             step,
-            variable_axes={"params": 0, "intermediates": 0},
+            variable_axes={"params": 0, "intermediates": 0, "losses": 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast,) * len(shared),
             length=num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        return scan(make_layer("layers"), x, *shared)[0]
+        return scan(make_layer("layers", 0), x, *shared)[0]
     if config.remat:
         step = nn.remat(step)
     for i in range(num_layers):
-        x, _ = step(make_layer(f"layers_{i}"), x, *shared)
+        x, _ = step(make_layer(f"layers_{i}", i), x, *shared)
     return x
 
 
@@ -257,7 +258,9 @@ class Encoder(nn.Module):
             key_segment_ids=inputs_segmentation,
         )
         x = layer_stack(
-            lambda name: EncoderLayer(cfg, deterministic=deterministic, name=name),
+            lambda name, i: EncoderLayer(
+                cfg, deterministic=deterministic, moe=cfg.is_moe_layer(i), name=name
+            ),
             cfg, cfg.num_encoder_layers, x, mask, positions,
         )  # fmt: skip
         if cfg.norm_position == "pre":
@@ -338,12 +341,13 @@ class Decoder(nn.Module):
             )
         )
         x = layer_stack(
-            lambda name: DecoderLayer(
+            lambda name, i: DecoderLayer(
                 cfg,
                 cross_attention=self.cross_attention,
                 deterministic=deterministic,
                 decode=decode,
                 check_cache=check_cache,
+                moe=cfg.is_moe_layer(i),
                 name=name,
             ),
             cfg, cfg.num_decoder_layers, x, encoded, self_mask, cross_mask, positions,
@@ -552,7 +556,9 @@ class EncoderClassifier(nn.Module):
     """Encoder, pooled, then a linear head: int `[batch, length]` -> logits `[batch, classes]`.
 
     ``pooling="mean"`` averages the encoder output over real (non-pad) tokens; ``"first"`` takes
-    position 0 (put a classification token there).
+    position 0 (put a classification token there); ``"attention"`` weighs the real tokens by a
+    softmax of their scores against a learned query `[d_model]` and sows those weights
+    (`[batch, length]`, 0 on padding) into "intermediates" as ``pooling_weights``.
     """
 
     config: TransformerConfig
@@ -564,11 +570,26 @@ class EncoderClassifier(nn.Module):
         encoded = Encoder(cfg, _embedding(cfg, cfg.vocab_size, "embedding"), name="encoder")(
             inputs, deterministic=deterministic
         )
+        real = inputs != cfg.pad_id
         if cfg.pooling == "first":
             pooled = encoded[:, 0]
+        elif cfg.pooling == "attention":
+            query = self.param(
+                "pooling_query",
+                nn.with_logical_partitioning(nn.initializers.normal(1.0), ("embed",)),
+                (cfg.d_model,),
+                cfg.parameter_dtype,
+            )
+            scores = jnp.einsum(
+                "bnd,d->bn", encoded.astype(jnp.float32), query.astype(jnp.float32)
+            ) / jnp.sqrt(jnp.float32(cfg.d_model))
+            weights = jax.nn.softmax(jnp.where(real, scores, -jnp.inf), axis=-1)
+            weights = jnp.where(real, weights, 0.0)  # a row of padding only: all zero
+            self.sow("intermediates", "pooling_weights", weights)
+            pooled = jnp.einsum("bn,bnd->bd", weights.astype(encoded.dtype), encoded)
         else:
-            real = (inputs != cfg.pad_id)[..., None].astype(encoded.dtype)
-            pooled = (encoded * real).sum(axis=1) / jnp.maximum(real.sum(axis=1), 1)
+            mask = real[..., None].astype(encoded.dtype)
+            pooled = (encoded * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1)
         pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
         logits = nn.Dense(
             cfg.num_classes,

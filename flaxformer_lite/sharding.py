@@ -42,6 +42,10 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("kv", None),
     ("layers", None),  # scan_layers: the stacked layer axis
+    # Mixture-of-experts weights `[experts, ...]`: expert parallelism over the data axis (each
+    # data-parallel group of devices holds its experts; GSPMD moves tokens to them), replicated
+    # when the data degree does not divide the number of experts.
+    ("expert", "data"),
     # Activations: the batch is split over data and fsdp; the residual stream is whole on
     # every tensor-parallel device (Megatron), heads/mlp split inside the sub-layers.
     ("activation_batch", ("data", "fsdp")),

@@ -119,6 +119,10 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
@@ -134,6 +138,7 @@ def feed_forward(cfg: Any, p: Params, x: np.ndarray) -> np.ndarray:
     act = {
         "relu": lambda z: np.maximum(z, 0.0),
         "gelu": gelu_tanh,
+        "gelu_exact": gelu_erf,
         "silu": silu,
         "swiglu": silu,
         "geglu": gelu_tanh,
@@ -350,12 +355,20 @@ def decoder_only_logits(cfg: Any, params: Params, tokens: np.ndarray) -> np.ndar
 
 def classifier_logits(cfg: Any, params: Params, inputs: np.ndarray) -> np.ndarray:
     """EncoderClassifier: tokens `[b, n]` -> class logits `[b, classes]`; "mean" pools over the
-    real (non-pad) tokens only, "first" takes position 0."""
+    real (non-pad) tokens only, "first" takes position 0, "attention" weighs the real tokens by
+    softmax_t(h_t . q / sqrt(d)) with the learned query q."""
     p = to_float64(params)
     inputs = np.asarray(inputs)
     encoded = encoder(cfg, p["encoder"], p["embedding"]["embedding"], inputs)
     if cfg.pooling == "first":
         pooled = encoded[:, 0]
+    elif cfg.pooling == "attention":
+        rows = []
+        for b in range(inputs.shape[0]):
+            h = encoded[b, inputs[b] != cfg.pad_id]  # real tokens only
+            scores = h @ p["pooling_query"] / math.sqrt(h.shape[-1])
+            rows.append(softmax(scores) @ h)
+        pooled = np.stack(rows)
     else:
         pooled = np.stack(
             [encoded[b, inputs[b] != cfg.pad_id].mean(0) for b in range(inputs.shape[0])]

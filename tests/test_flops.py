@@ -62,3 +62,17 @@ def test_train_flops_is_three_forwards_and_counts_the_classifier_head():
     assert flops.forward_flops(cfg, 1, 10, 0, num_classes=5) == encoder_only + 2 * 128 * 5
     with pytest.raises(ValueError, match="src_len"):
         flops.forward_flops(cfg, 1, -1, 0)
+
+
+def test_mixture_of_experts_counts_the_routed_experts_and_the_router():
+    """Every second layer has 4 experts, top-2: those layers' feed-forward FLOPs double
+    (2 experts per token) and the router adds 2 * n * d * 4; dense layers are unchanged."""
+    dense = BASE.replace(num_encoder_layers=2, num_decoder_layers=2)
+    moe = dense.replace(num_experts=4, num_experts_per_token=2, moe_every=2)
+    ffn = 2 * 128 * 512 * 2  # per token: two matrices of d x d_ff
+    router = 2 * 128 * 4
+    extra_per_token = ffn + router  # one more expert + the router, in one layer per stack
+    expected = BATCH * (SRC + TGT) * extra_per_token
+    assert flops.forward_flops(moe, BATCH, SRC, TGT) - flops.forward_flops(
+        dense, BATCH, SRC, TGT
+    ) == pytest.approx(expected)

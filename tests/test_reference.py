@@ -90,6 +90,7 @@ SEQ2SEQ = {
     "post_swiglu": TINY.replace(activation="swiglu"),
     "pre_relu": TINY.replace(norm_position="pre"),
     "pre_geglu": TINY.replace(norm_position="pre", activation="geglu"),
+    "post_gelu_exact": TINY.replace(activation="gelu_exact"),
     # configs/lm_tinyshakespeare and others: learned positions; untied, unshared, no bias, gelu.
     "learned_untied_nobias_gelu": TINY.replace(
         position="learned",
@@ -166,6 +167,7 @@ CLASSIFIER = {
         norm_position="pre", activation="swiglu", scan_layers=True
     ),
     "post_rotary_first": TINY.replace(position="rotary", pooling="first"),
+    "post_attention_pooling": TINY.replace(pooling="attention"),
 }
 
 

@@ -139,7 +139,7 @@ def test_pipeline_appends_eos_0_and_pads_with_pad_id_at_zero_weight():
     )[0]
     model = EncoderDecoder(CONFIG)
     params = model.init(jax.random.key(0), batch["inputs"], batch["targets"])["params"]
-    _, labels, weights = train.forward(model, "translation", params, batch, deterministic=True)
+    _, labels, weights, _ = train.forward(model, "translation", params, batch, deterministic=True)
     np.testing.assert_array_equal(np.asarray(weights), batch["targets"] != PAD)
     assert float(np.asarray(weights)[np.asarray(labels) == EOS].min()) == 1.0
 

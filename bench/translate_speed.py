@@ -1,0 +1,282 @@
+"""Batch translation speed against the real peers, on identical weights.
+
+One random Marian model at opus-mt size (d_model 512, 6+6 layers, 8 heads, d_ff 2048, swish,
+vocabulary 58,101, post-LN, sinusoidal halves, float32) is built once with Hugging Face
+``MarianMTModel``, loaded into flaxformer_lite with ``hf.load_pretrained``, written back with
+``hf.save_pretrained`` and converted from that folder with CTranslate2's converter. Then, at
+each batch size and number of new tokens, in one process and in interleaved rounds (the order
+rotates every round, so machine load hits every system alike), greedy and beam 4 with:
+
+* ``flaxformer_lite``: ``generate_jit`` (one jitted call: encoder, key/value cache, search),
+  compiled ahead of time, compilation not timed;
+* ``hf``: ``MarianMTModel.generate`` (PyTorch eager, its key/value cache, ``torch.no_grad``,
+  ``os.cpu_count()`` threads), ``num_beams`` 1 or 4, ``length_penalty`` 1;
+* ``ct2-float32`` and ``ct2-int8``: ``ctranslate2.Translator.translate_batch`` on the converted
+  model, ``compute_type`` float32 or int8 (weights quantized at load), ``beam_size`` 1 or 4.
+
+Every system must produce exactly ``new`` tokens per sentence: the final logits bias of EOS and
+of pad is -1e4 in the shared weights, so no system can end a sentence early (checked: no EOS in
+any output). Tokens per second count batch x new tokens (the returned sentences, also for beam
+search), so ratios are time ratios. Where weights are identical (all but int8), the token
+agreement of each system with flaxformer_lite is reported (greedy should agree except where
+float rounding flips a near-tie; beam search may legitimately differ in its stopping rule, but
+cannot stop early here).
+
+Writes bench/results/translate_speed.json (translate_speed_quick.json with --quick) and prints
+a markdown table. Needs the bench extra (transformers, torch, ctranslate2).
+
+    .venv/bin/python bench/translate_speed.py --quick    # small model, about a minute
+    .venv/bin/python bench/translate_speed.py            # opus-mt size: batch 1/8/32, 32/128 new
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from flaxformer_lite import hf
+from flaxformer_lite.generate import default_mesh, generate_jit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+FULL = dict(
+    model=dict(
+        d_model=512,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        encoder_ffn_dim=2048,
+        decoder_ffn_dim=2048,
+    ),
+    vocab_size=58101,
+    source_len=24,
+    batches=(1, 8, 32),
+    new_tokens=(32, 128),
+)
+QUICK = dict(
+    model=dict(
+        d_model=128,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=512,
+        decoder_ffn_dim=512,
+    ),
+    vocab_size=4001,
+    source_len=16,
+    batches=(1, 8),
+    new_tokens=(16,),
+)
+SYSTEMS = ("flaxformer_lite", "hf", "ct2-float32", "ct2-int8")
+METHODS = {"greedy": 1, "beam4": 4}
+
+
+def cpu_flags() -> str:
+    """The CPU's vector extensions as lscpu reports them (figures differ between machines)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if "Flags" in ln), [])
+    avx = sorted(f for f in flags if f.startswith("avx"))
+    return f"{model}; {os.cpu_count()} cores; " + (" ".join(avx) if avx else "no AVX")
+
+
+def build_models(settings: dict, max_new: int, workdir: Path):
+    """(HF model, our config, our params, CTranslate2 folder, vocabulary strings)."""
+    import ctranslate2
+    import sentencepiece as spm
+    import torch
+    import transformers
+
+    vocab_size = settings["vocab_size"]
+    pad = vocab_size - 1
+    config = transformers.MarianConfig(
+        vocab_size=vocab_size,
+        max_position_embeddings=settings["source_len"] + max_new + 8,
+        activation_function="swish",
+        scale_embedding=True,
+        pad_token_id=pad,
+        decoder_start_token_id=pad,
+        eos_token_id=0,
+        forced_eos_token_id=None,
+        dropout=0.0,
+        **settings["model"],
+    )
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(config).eval()
+    with torch.no_grad():
+        model.model.shared.weight[pad] = 0.0  # as in every opus-mt model
+        bias = torch.zeros_like(model.final_logits_bias)
+        bias[0, 0] = bias[0, pad] = -1e4  # neither EOS nor pad: every sentence runs to the end
+        model.final_logits_bias.copy_(bias)
+    hf_dir, ours_dir, ct2_dir = workdir / "hf", workdir / "ours", workdir / "ct2"
+    model.save_pretrained(hf_dir)
+    ours_config, params, _ = hf.load_pretrained(str(hf_dir))
+    hf.save_pretrained(str(ours_dir), ours_config, params)
+    # The converter reads the vocabulary through the tokenizer: a SentencePiece model (any) and
+    # a vocab.json with one string per id, Marian's layout (</s> 0, <unk> 1, <pad> last).
+    lines = [f"w{i} w{i * 7 % 97} w{i % 13}" for i in range(400)]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(workdir / "spm"),
+        vocab_size=32,
+        bos_id=-1,
+        eos_id=1,
+        unk_id=0,
+        pad_id=-1,
+    )
+    vocab = ["</s>", "<unk>"] + [f"▁t{i}" for i in range(2, pad)] + ["<pad>"]
+    for side in ("source", "target"):
+        (ours_dir / f"{side}.spm").write_bytes((workdir / "spm.model").read_bytes())
+    (ours_dir / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}))
+    ctranslate2.converters.TransformersConverter(str(ours_dir)).convert(str(ct2_dir), force=True)
+    return model, ours_config, params, ct2_dir, vocab
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model, about a minute")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    args = parser.parse_args()
+    settings = QUICK if args.quick else FULL
+
+    import ctranslate2
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    threads = os.cpu_count() or 1
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model, config, params, ct2_dir, vocab = build_models(
+            settings, max(settings["new_tokens"]), Path(tmp)
+        )
+        mesh = default_mesh()
+        translators = {
+            name: ctranslate2.Translator(
+                str(ct2_dir), device="cpu", compute_type=kind, intra_threads=threads
+            )
+            for name, kind in (("ct2-float32", "float32"), ("ct2-int8", "int8"))
+        }
+        index = {t: i for i, t in enumerate(vocab)}
+        rng = np.random.default_rng(0)
+        for new in settings["new_tokens"]:
+            for batch in settings["batches"]:
+                src = rng.integers(2, config.pad_id, size=(batch, settings["source_len"]))
+                src[:, -1] = config.eos_id
+                src = src.astype(np.int32)
+                src_tokens = [[vocab[i] for i in row] for row in src]
+                for method, beams in METHODS.items():
+                    ours_method = "greedy" if beams == 1 else "beam"
+                    start = time.perf_counter()
+                    compiled = generate_jit.lower(
+                        params,
+                        config,
+                        src,
+                        mesh=mesh,
+                        method=ours_method,
+                        max_len=new,
+                        beam_size=beams,
+                        alpha=0.0,
+                    ).compile()
+                    compile_s = time.perf_counter() - start
+
+                    def run_ours(compiled=compiled, src=src):
+                        tokens, _ = compiled(params, src)
+                        return np.asarray(jax.block_until_ready(tokens))
+
+                    def run_hf(src=src, beams=beams, new=new):
+                        with torch.no_grad():
+                            out = model.generate(
+                                input_ids=torch.from_numpy(src.astype(np.int64)),
+                                attention_mask=torch.ones(src.shape, dtype=torch.long),
+                                num_beams=beams,
+                                do_sample=False,
+                                max_new_tokens=new,
+                                length_penalty=1.0,
+                                bad_words_ids=None,
+                            )
+                        return out[:, 1:].numpy()
+
+                    def run_ct2(name, src_tokens=src_tokens, beams=beams, new=new):
+                        out = translators[name].translate_batch(
+                            src_tokens,
+                            beam_size=beams,
+                            max_decoding_length=new,
+                            min_decoding_length=0,
+                            max_batch_size=0,
+                        )
+                        return np.array([[index[t] for t in r.hypotheses[0]] for r in out])
+
+                    runners = {
+                        "flaxformer_lite": run_ours,
+                        "hf": run_hf,
+                        "ct2-float32": lambda: run_ct2("ct2-float32"),
+                        "ct2-int8": lambda: run_ct2("ct2-int8"),
+                    }
+                    times = {name: [] for name in SYSTEMS}
+                    outputs = {name: runners[name]() for name in SYSTEMS}  # warm-up
+                    for r in range(args.rounds):
+                        order = SYSTEMS[r % len(SYSTEMS) :] + SYSTEMS[: r % len(SYSTEMS)]
+                        for name in order:
+                            start = time.perf_counter()
+                            outputs[name] = runners[name]()
+                            times[name].append(time.perf_counter() - start)
+                    for name, out in outputs.items():
+                        assert out.shape == (batch, new), (name, out.shape)
+                        assert not (out == config.eos_id).any(), name
+                    row = dict(method=method, batch=batch, new_tokens=new, compile_s=compile_s)
+                    for name in SYSTEMS:
+                        seconds = statistics.median(times[name])
+                        row[f"{name}_tok_s"] = batch * new / seconds
+                        row[f"{name}_agreement"] = float(
+                            (outputs[name] == outputs["flaxformer_lite"]).mean()
+                        )
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+
+    header = "| method | batch | new | " + " | ".join(f"{s} tok/s" for s in SYSTEMS)
+    header += " | ours / ct2-f32 | ours / hf | agreement hf, ct2-f32 |"
+    lines = [header, "|" + "---|" * (len(SYSTEMS) + 6)]
+    for r in results:
+        speeds = " | ".join(f"{r[f'{s}_tok_s']:,.0f}" for s in SYSTEMS)
+        ours = r["flaxformer_lite_tok_s"]
+        lines.append(
+            f"| {r['method']} | {r['batch']} | {r['new_tokens']} | {speeds} | "
+            f"{ours / r['ct2-float32_tok_s']:.2f} | {ours / r['hf_tok_s']:.2f} | "
+            f"{r['hf_agreement']:.3f}, {r['ct2-float32_agreement']:.3f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    meta = dict(
+        machine=cpu_flags(),
+        jax=jax.__version__,
+        torch=torch.__version__,
+        ctranslate2=ctranslate2.__version__,
+        settings={k: v for k, v in settings.items()},
+        rounds=args.rounds,
+    )
+    out = args.out or RESULTS / (
+        "translate_speed_quick.json" if args.quick else "translate_speed.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, results=results, table=table), indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

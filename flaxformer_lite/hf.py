@@ -1,0 +1,662 @@
+"""Hugging Face Marian (opus-mt) checkpoints in and out of flaxformer_lite.
+
+    config, params, tokenizer = load_pretrained("Helsinki-NLP/opus-mt-en-de")  # or a local folder
+    save_pretrained("out/", config, params, tokenizer)  # MarianMTModel / CTranslate2 read it
+
+A Marian model is the paper's Transformer with a few choices of its own, each a
+``TransformerConfig`` field rather than a special case here: swish (``activation="silu"``), the
+sinusoids as sine and cosine halves (``sinusoid_layout="halves"``), embeddings scaled or not
+(``scale_embeddings``), a final logits bias (``logits_bias``), LayerNorm epsilon 1e-5, tied or
+separate embeddings, and its own special ids (pad = decoder start = the last id, EOS 0, UNK 1).
+
+Reading needs neither torch nor transformers: ``config.json`` is JSON, ``model.safetensors``
+reads into NumPy (a ``pytorch_model.bin`` needs torch). Parameter names map one to one::
+
+    model.{en,de}coder.layers.i.self_attn.{q,k,v}_proj  ->  .../layers_i/self_attention/{query,...}
+    model.{en,de}coder.layers.i.self_attn.out_proj      ->  .../layers_i/self_attention/out
+    model.decoder.layers.i.encoder_attn.*               ->  decoder/layers_i/cross_attention/*
+    *.self_attn_layer_norm, *.encoder_attn_layer_norm   ->  {self,cross}_attention_norm
+    *.fc1 / fc2 / final_layer_norm                      ->  mlp/wi / mlp/wo / mlp_norm
+    model.shared (or the encoder's embed_tokens)        ->  source_embedding
+    model.decoder.embed_tokens (unshared embeddings)    ->  target_embedding
+    lm_head (untied)                                    ->  decoder/logits (transposed)
+    final_logits_bias `[1, vocab]`                      ->  decoder/logits_bias `[vocab]`
+
+PyTorch ``Linear`` weights are `[out, in]`; ours are `[in, heads, head_dim]` (queries, keys,
+values), `[heads, head_dim, out]` (attention output) and `[in, out]` (feed-forward). Marian's
+sinusoidal position tables are not parameters here (a checkpoint that stores one is checked
+against ours).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from flaxformer_lite import paths
+from flaxformer_lite.config import TransformerConfig
+
+# Hugging Face ``activation_function`` -> ``TransformerConfig.activation``, and back.
+FROM_HF_ACTIVATION = {
+    "swish": "silu",
+    "silu": "silu",
+    "relu": "relu",
+    "gelu": "gelu_exact",
+    "gelu_new": "gelu",
+    "gelu_pytorch_tanh": "gelu",
+}
+TO_HF_ACTIVATION = {"silu": "swish", "relu": "relu", "gelu_exact": "gelu", "gelu": "gelu_new"}
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json")
+# What a hub download fetches: the config, the weights in either format, the tokenizer.
+_HUB_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "*.spm",
+    "*vocab.json",
+    "tokenizer_config.json",
+]
+
+Params = dict[str, Any]
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def _hf_int(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = hf.get(key, default)
+    if value is None:
+        raise ValueError(f"config.json has no {key!r}, which a Marian model needs")
+    return value
+
+
+def config_from_hf(hf: Mapping[str, Any], *, unk_id: int = 1) -> TransformerConfig:
+    """The ``TransformerConfig`` of a Hugging Face Marian ``config.json`` (a dict).
+
+    ``unk_id`` comes from the vocabulary (``<unk>``, 1 in every Marian vocabulary), which the
+    model config does not record.
+
+    Raises:
+      ValueError: not a Marian config, or one this architecture cannot express (different
+        encoder/decoder widths or head counts, an unknown activation, activation dropout),
+        naming the key.
+    """
+    model_type = hf.get("model_type")
+    if model_type != "marian":
+        raise ValueError(
+            f"config.json has model_type {model_type!r}; load_pretrained reads Marian "
+            "(model_type 'marian', e.g. Helsinki-NLP/opus-mt-*) checkpoints"
+        )
+    for enc, dec in (
+        ("encoder_attention_heads", "decoder_attention_heads"),
+        ("encoder_ffn_dim", "decoder_ffn_dim"),
+    ):
+        if hf.get(enc) != hf.get(dec):
+            raise ValueError(
+                f"config.json has {enc}={hf.get(enc)} but {dec}={hf.get(dec)}; "
+                "TransformerConfig has one value for both stacks"
+            )
+    act = hf.get("activation_function", "gelu")
+    if act not in FROM_HF_ACTIVATION:
+        raise ValueError(
+            f"config.json activation_function {act!r} is not supported; "
+            f"valid: {sorted(FROM_HF_ACTIVATION)}"
+        )
+    if float(hf.get("activation_dropout") or 0.0) > 0:
+        raise ValueError(
+            f"config.json activation_dropout={hf['activation_dropout']}: dropout inside the "
+            "feed-forward block is not part of TransformerConfig; set it to 0.0"
+        )
+    vocab = _hf_int(hf, "vocab_size")
+    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    target_vocab = hf.get("decoder_vocab_size") or vocab
+    pad = _hf_int(hf, "pad_token_id")
+    return TransformerConfig(
+        vocab_size=vocab,
+        target_vocab_size=None if shared else target_vocab,
+        d_model=_hf_int(hf, "d_model"),
+        num_heads=_hf_int(hf, "encoder_attention_heads"),
+        d_ff=_hf_int(hf, "encoder_ffn_dim"),
+        num_encoder_layers=_hf_int(hf, "encoder_layers"),
+        num_decoder_layers=_hf_int(hf, "decoder_layers"),
+        dropout_rate=float(hf.get("dropout", 0.1)),
+        attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+        max_len=_hf_int(hf, "max_position_embeddings"),
+        activation=FROM_HF_ACTIVATION[act],
+        norm_position="post",
+        norm_type="layernorm",
+        layer_norm_epsilon=1e-5,  # torch.nn.LayerNorm's default, which Marian keeps
+        position="sinusoidal",
+        sinusoid_layout="halves",
+        scale_embeddings=bool(hf.get("scale_embedding", False)),
+        share_embeddings=shared,
+        tie_output_embedding=bool(hf.get("tie_word_embeddings", True)),
+        logits_bias=True,
+        use_bias=True,
+        pad_id=pad,
+        bos_id=hf.get("decoder_start_token_id", pad),
+        eos_id=_hf_int(hf, "eos_token_id"),
+        unk_id=unk_id,
+    )
+
+
+def _marian_problems(config: TransformerConfig) -> list[str]:
+    """What keeps ``config`` from being written as a Marian model (empty when nothing)."""
+    wanted = {
+        "norm_position": "post",
+        "norm_type": "layernorm",
+        "position": "sinusoidal",
+        "sinusoid_layout": "halves",
+        "use_bias": True,
+        "fused_qkv": False,
+        "attention_implementation": "xla",
+    }
+    problems = [
+        f"{name}={getattr(config, name)!r} (Marian: {value!r})"
+        for name, value in wanted.items()
+        if getattr(config, name) != value and name != "attention_implementation"
+    ]
+    if config.activation not in TO_HF_ACTIVATION:
+        problems.append(
+            f"activation={config.activation!r} (Marian: one of {list(TO_HF_ACTIVATION)})"
+        )
+    if config.kv_heads != config.num_heads:
+        problems.append(f"num_kv_heads={config.num_kv_heads} (Marian: multi-head, None)")
+    return problems
+
+
+def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
+    """The Marian ``config.json`` dict of ``config``.
+
+    Raises:
+      ValueError: ``config`` is not a Marian architecture (e.g. pre-LN, rotary, interleaved
+        sinusoids, grouped-query attention), listing every field that differs.
+    """
+    problems = _marian_problems(config)
+    if problems:
+        raise ValueError(
+            "save_pretrained writes Marian models; this TransformerConfig differs in: "
+            + "; ".join(problems)
+        )
+    return {
+        "architectures": ["MarianMTModel"],
+        "model_type": "marian",
+        "vocab_size": config.vocab_size,
+        "decoder_vocab_size": config.output_vocab_size,
+        "share_encoder_decoder_embeddings": config.share_embeddings,
+        "tie_word_embeddings": config.tie_output_embedding,
+        "d_model": config.d_model,
+        "encoder_layers": config.num_encoder_layers,
+        "decoder_layers": config.num_decoder_layers,
+        "encoder_attention_heads": config.num_heads,
+        "decoder_attention_heads": config.num_heads,
+        "encoder_ffn_dim": config.d_ff,
+        "decoder_ffn_dim": config.d_ff,
+        "activation_function": TO_HF_ACTIVATION[config.activation],
+        "dropout": config.dropout_rate,
+        "attention_dropout": config.attention_dropout_rate,
+        "activation_dropout": 0.0,
+        "max_position_embeddings": config.max_len,
+        "scale_embedding": config.scale_embeddings,
+        "pad_token_id": config.pad_id,
+        "eos_token_id": config.eos_id,
+        "forced_eos_token_id": config.eos_id,
+        "decoder_start_token_id": config.bos_id,
+        "is_encoder_decoder": True,
+        "use_cache": True,
+    }
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _stack_names(config: TransformerConfig) -> list[tuple[str, str, int]]:
+    return [
+        ("encoder", "model.encoder", config.num_encoder_layers),
+        ("decoder", "model.decoder", config.num_decoder_layers),
+    ]
+
+
+def _layer_map(stack: str) -> list[tuple[str, str]]:
+    """(HF module, our module) pairs inside one layer of ``stack``."""
+    pairs = [("self_attn", "self_attention"), ("self_attn_layer_norm", "self_attention_norm")]
+    if stack == "decoder":
+        pairs += [
+            ("encoder_attn", "cross_attention"),
+            ("encoder_attn_layer_norm", "cross_attention_norm"),
+        ]
+    pairs += [("fc1", "mlp/wi"), ("fc2", "mlp/wo"), ("final_layer_norm", "mlp_norm")]
+    return pairs
+
+
+_PROJECTIONS = (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("out_proj", "out"))
+
+
+def _strip_prefix(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Keys as ``model.*`` / ``lm_head.*`` / ``final_logits_bias`` whatever the checkpoint's
+    prefix (some store ``marian.model.*``; base-model checkpoints have no ``model.``)."""
+    out = {}
+    for key, value in state.items():
+        for prefix in ("marian.", "module."):
+            key = key.removeprefix(prefix)
+        if key.startswith(("encoder.", "decoder.", "shared.")):
+            key = "model." + key
+        out[key] = value
+    return out
+
+
+def _check_positions(state: Mapping[str, np.ndarray], config: TransformerConfig) -> None:
+    from flaxformer_lite.positions import sinusoidal
+
+    table = None
+    for stack in ("encoder", "decoder"):
+        stored = state.get(f"model.{stack}.embed_positions.weight")
+        if stored is None:
+            continue
+        if table is None:
+            table = np.asarray(sinusoidal(config.max_len, config.d_model, layout="halves"))
+        if stored.shape != table.shape or not np.allclose(stored, table, atol=1e-4):
+            raise ValueError(
+                f"model.{stack}.embed_positions.weight is not Marian's sinusoid table "
+                f"[{config.max_len}, {config.d_model}] (sin | cos halves); learned or other "
+                "positions are not a Marian model"
+            )
+
+
+def params_from_state_dict(state: Mapping[str, np.ndarray], config: TransformerConfig) -> Params:
+    """Our ``params`` (nested dicts of float32 NumPy arrays, unrolled layers) from a Marian
+    state dict (names -> arrays, as in ``model.safetensors``).
+
+    Raises:
+      ValueError: a tensor the config needs is missing or has another shape (named), or
+        tensors are left over that this mapping does not know (named).
+    """
+    state = _strip_prefix(state)
+    used: set[str] = set()
+    d, h, hd = config.d_model, config.num_heads, config.head_dim
+
+    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in state:
+            raise ValueError(f"the checkpoint has no tensor {name!r} (expected shape {shape})")
+        value = np.asarray(state[name], dtype=np.float32)
+        if value.shape != shape:
+            raise ValueError(
+                f"tensor {name!r} has shape {value.shape}; the config (config.json) implies {shape}"
+            )
+        used.add(name)
+        return value
+
+    def first(names: list[str], shape: tuple[int, ...]) -> np.ndarray:
+        for name in names:
+            if name in state:
+                return take(name, shape)
+        raise ValueError(f"the checkpoint has none of {names} (expected shape {shape})")
+
+    params: Params = {}
+    for stack, prefix, layers in _stack_names(config):
+        for i in range(layers):
+            layer: Params = {}
+            for hf_module, ours in _layer_map(stack):
+                base = f"{prefix}.layers.{i}.{hf_module}"
+                if hf_module.endswith("attn"):
+                    block: Params = {}
+                    for hf_proj, our_proj in _PROJECTIONS:
+                        w = take(f"{base}.{hf_proj}.weight", (d, d))
+                        b = take(f"{base}.{hf_proj}.bias", (d,))
+                        if our_proj == "out":  # [d_out, h*hd] -> [h, hd, d_out]
+                            block[our_proj] = {"kernel": w.T.reshape(h, hd, d), "bias": b}
+                        else:  # [h*hd, d_in] -> [d_in, h, hd]
+                            block[our_proj] = {
+                                "kernel": w.T.reshape(d, h, hd),
+                                "bias": b.reshape(h, hd),
+                            }
+                    layer[ours] = block
+                elif hf_module.endswith("layer_norm"):
+                    layer[ours] = {
+                        "scale": take(f"{base}.weight", (d,)),
+                        "bias": take(f"{base}.bias", (d,)),
+                    }
+                else:  # fc1 [d_ff, d] -> wi [d, d_ff]; fc2 [d, d_ff] -> wo [d_ff, d]
+                    shape = (config.d_ff, d) if hf_module == "fc1" else (d, config.d_ff)
+                    group, name = ours.split("/")
+                    layer.setdefault(group, {})[name] = {
+                        "kernel": take(f"{base}.weight", shape).T,
+                        "bias": take(f"{base}.bias", (shape[0],)),
+                    }
+            params.setdefault(stack, {})[f"layers_{i}"] = layer
+
+    vocab, target_vocab = config.vocab_size, config.output_vocab_size
+    source_names = ["model.shared.weight", "model.encoder.embed_tokens.weight"]
+    target_names = ["model.decoder.embed_tokens.weight"]
+    if config.share_embeddings:
+        source_names += target_names + ["lm_head.weight"]
+    params["source_embedding"] = {"embedding": first(source_names, (vocab, d))}
+    if not config.share_embeddings:
+        target_names += [] if not config.tie_output_embedding else ["lm_head.weight"]
+        params["target_embedding"] = {"embedding": first(target_names, (target_vocab, d))}
+    if not config.tie_output_embedding:
+        params["decoder"]["logits"] = {"kernel": take("lm_head.weight", (target_vocab, d)).T}
+    bias = state.get("final_logits_bias")
+    params["decoder"]["logits_bias"] = (
+        np.zeros((target_vocab,), np.float32)
+        if bias is None
+        else take("final_logits_bias", (1, target_vocab))[0]
+    )
+    _check_positions(state, config)
+    # Tied copies of the embedding and the position tables carry nothing new.
+    redundant = {
+        "model.shared.weight",
+        "model.encoder.embed_tokens.weight",
+        "model.decoder.embed_tokens.weight",
+        "model.encoder.embed_positions.weight",
+        "model.decoder.embed_positions.weight",
+    }
+    if config.tie_output_embedding:
+        redundant.add("lm_head.weight")
+    left = sorted(set(state) - used - redundant)
+    if left:
+        raise ValueError(f"the checkpoint has tensors this Marian mapping does not use: {left}")
+    return params
+
+
+def _plain(params: Any, config: TransformerConfig) -> tuple[Params, TransformerConfig]:
+    """Unboxed, unrolled, float32 NumPy parameters."""
+    import flax.linen as nn
+    import jax
+
+    from flaxformer_lite.models import unrolled
+
+    params, config = unrolled(nn.meta.unbox(params), config)
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=np.float32), params)
+    return params, config
+
+
+def state_dict_from_params(params: Any, config: TransformerConfig) -> dict[str, np.ndarray]:
+    """The Marian state dict (Hugging Face names -> float32 NumPy arrays) of our parameters,
+    the inverse of ``params_from_state_dict``: boxed or plain, scanned or unrolled."""
+    params, config = _plain(params, config)
+    d = config.d_model
+    state: dict[str, np.ndarray] = {}
+    for stack, prefix, layers in _stack_names(config):
+        for i in range(layers):
+            layer = params[stack][f"layers_{i}"]
+            for hf_module, ours in _layer_map(stack):
+                base = f"{prefix}.layers.{i}.{hf_module}"
+                block = layer
+                for part in ours.split("/"):
+                    block = block[part]
+                if hf_module.endswith("attn"):
+                    for hf_proj, our_proj in _PROJECTIONS:
+                        kernel, bias = block[our_proj]["kernel"], block[our_proj]["bias"]
+                        if our_proj == "out":
+                            state[f"{base}.{hf_proj}.weight"] = kernel.reshape(d, d).T
+                            state[f"{base}.{hf_proj}.bias"] = bias
+                        else:
+                            state[f"{base}.{hf_proj}.weight"] = kernel.reshape(d, d).T
+                            state[f"{base}.{hf_proj}.bias"] = bias.reshape(d)
+                elif hf_module.endswith("layer_norm"):
+                    state[f"{base}.weight"] = block["scale"]
+                    state[f"{base}.bias"] = block["bias"]
+                else:
+                    state[f"{base}.weight"] = block["kernel"].T
+                    state[f"{base}.bias"] = block["bias"]
+    source = params["source_embedding"]["embedding"]
+    if config.share_embeddings:
+        state["model.shared.weight"] = source
+        target = source
+    else:
+        target = params["target_embedding"]["embedding"]
+        state["model.encoder.embed_tokens.weight"] = source
+        state["model.decoder.embed_tokens.weight"] = target
+    if not config.tie_output_embedding:
+        state["lm_head.weight"] = params["decoder"]["logits"]["kernel"].T
+    bias = params["decoder"].get("logits_bias")
+    if bias is None:
+        bias = np.zeros((config.output_vocab_size,), np.float32)
+    state["final_logits_bias"] = bias[None, :]
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()}
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def resolve(path_or_repo_id: str) -> epath.Path:
+    """The local (or ``gs://``) folder of ``path_or_repo_id``: an existing folder as is, else a
+    Hugging Face hub id downloaded once into the hub cache (``huggingface_hub``).
+
+    Raises:
+      FileNotFoundError: neither an existing folder nor a downloadable repository.
+    """
+    path = os.fspath(path_or_repo_id)
+    root = paths.resolve(path)
+    if paths.is_uri(path) or root.is_dir():
+        if not root.is_dir():
+            raise FileNotFoundError(f"no folder {path}")
+        return root
+    looks_like_id = path.count("/") <= 1 and not path.startswith((".", "/", "~"))
+    if not looks_like_id:
+        raise FileNotFoundError(f"no folder {path} (and it is not a hub id like 'owner/name')")
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(repo_id=path, allow_patterns=_HUB_PATTERNS)
+    except Exception as e:  # offline, unknown repository, gated, ...
+        raise FileNotFoundError(
+            f"{path!r} is not a local folder and could not be fetched from the Hugging Face "
+            f"hub: {type(e).__name__}: {e}"
+        ) from e
+    return epath.Path(local)
+
+
+def read_state_dict(root: epath.Path) -> dict[str, np.ndarray]:
+    """Name -> NumPy array of the weights in ``root``: ``model.safetensors`` (sharded through
+    ``model.safetensors.index.json`` too) with safetensors alone, else ``pytorch_model.bin``
+    through torch.
+
+    Raises:
+      FileNotFoundError: none of ``WEIGHT_FILES`` in ``root``.
+    """
+    from safetensors.numpy import load as load_safetensors
+
+    single = root / "model.safetensors"
+    index = root / "model.safetensors.index.json"
+    if single.is_file():
+        return dict(load_safetensors(single.read_bytes()))
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, np.ndarray] = {}
+        for name in files:
+            state.update(load_safetensors((root / name).read_bytes()))
+        return state
+    binary = root / "pytorch_model.bin"
+    if binary.is_file():
+        try:
+            import torch
+        except ImportError as e:
+            raise ImportError(
+                f"{binary} is a PyTorch pickle, which needs torch to read "
+                "(pip install torch), or convert it to model.safetensors"
+            ) from e
+        with binary.open("rb") as f:
+            state_t = torch.load(f, map_location="cpu", weights_only=True)
+        return {k: v.float().numpy() for k, v in state_t.items()}
+    raise FileNotFoundError(f"no weights in {root}: expected one of {list(WEIGHT_FILES)}")
+
+
+def _load_tokenizer(root: epath.Path) -> Any:
+    """The Marian tokenizer in ``root``, or None when its files are absent."""
+    if not all((root / name).is_file() for name in ("source.spm", "target.spm", "vocab.json")):
+        return None
+    from flaxformer_lite.marian_tokenizer import MarianTokenizer
+
+    return MarianTokenizer.load(str(root))
+
+
+def load_pretrained(path_or_repo_id: str) -> tuple[TransformerConfig, Params, Any]:
+    """``(config, params, tokenizer)`` of a Hugging Face Marian model.
+
+    Args:
+      path_or_repo_id: a folder (local or ``gs://``) with ``config.json``, the weights
+        (``model.safetensors`` or ``pytorch_model.bin``) and optionally the tokenizer
+        (``source.spm``, ``target.spm``, ``vocab.json``), or a hub id such as
+        ``"Helsinki-NLP/opus-mt-en-de"`` (downloaded once into the hub cache).
+
+    Returns:
+      the ``TransformerConfig``, the parameters (nested dicts of float32 NumPy arrays, the
+      ``params`` collection of ``EncoderDecoder(config)``), and a
+      ``marian_tokenizer.MarianTokenizer`` (None when the tokenizer files are absent).
+
+    Raises:
+      FileNotFoundError: no such folder or repository, no config.json, no weights.
+      ValueError: not a Marian model, or weights that do not match its config (named).
+    """
+    root = resolve(path_or_repo_id)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {root}: is it a Hugging Face model folder?")
+    hf = json.loads(config_path.read_text())
+    tokenizer = _load_tokenizer(root)
+    config = config_from_hf(hf, unk_id=tokenizer.unk_id if tokenizer is not None else 1)
+    params = params_from_state_dict(read_state_dict(root), config)
+    return config, params, tokenizer
+
+
+def generation_defaults(path_or_repo_id: str) -> dict[str, Any]:
+    """The decoding defaults a Hugging Face model folder records (``generation_config.json``,
+    else ``config.json``): any of ``num_beams``, ``length_penalty``, ``max_length``,
+    ``early_stopping``, ``bad_words_ids`` that it sets."""
+    root = resolve(path_or_repo_id)
+    keys = ("num_beams", "length_penalty", "max_length", "early_stopping", "bad_words_ids")
+    out: dict[str, Any] = {}
+    for name in ("config.json", "generation_config.json"):  # the latter wins
+        path = root / name
+        if path.is_file():
+            values = json.loads(path.read_text())
+            out.update({k: values[k] for k in keys if values.get(k) is not None})
+    return out
+
+
+def save_pretrained(
+    directory: str,
+    config: TransformerConfig,
+    params: Any,
+    tokenizer: Any = None,
+    *,
+    generation: Mapping[str, Any] | None = None,
+) -> None:
+    """Writes a Hugging Face Marian folder: ``config.json``, ``generation_config.json``,
+    ``model.safetensors`` (float32) and, when given, the tokenizer's files.
+
+    ``transformers.MarianMTModel.from_pretrained`` and CTranslate2's
+    ``ct2-transformers-converter`` read the result (the converter needs the tokenizer);
+    ``load_pretrained`` gives back bitwise the same parameters.
+
+    Args:
+      directory: the output folder (local or ``gs://``), created when missing.
+      config: a Marian-architecture ``TransformerConfig`` (see ``config_to_hf``).
+      params: its parameters (boxed or plain, scanned or unrolled, any float dtype).
+      tokenizer: a ``marian_tokenizer.MarianTokenizer`` (its ``save`` writes source.spm,
+        target.spm, vocab.json, tokenizer_config.json), or None.
+      generation: decoding defaults for generation_config.json (e.g. ``num_beams``,
+        ``length_penalty``, ``max_length``).
+
+    Raises:
+      ValueError: ``config`` is not a Marian architecture (the differing fields are named).
+    """
+    from safetensors.numpy import save as save_safetensors
+
+    hf = config_to_hf(config)  # fails before anything is written
+    state = state_dict_from_params(params, config)
+    root = paths.resolve(directory)
+    paths.makedirs(root)
+    paths.write_atomic(root / "config.json", json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    gen = {
+        "decoder_start_token_id": config.bos_id,
+        "eos_token_id": config.eos_id,
+        "forced_eos_token_id": config.eos_id,
+        "pad_token_id": config.pad_id,
+        **(generation or {}),
+    }
+    paths.write_atomic(
+        root / "generation_config.json", json.dumps(gen, indent=2, sort_keys=True) + "\n"
+    )
+    blob = save_safetensors(state, metadata={"format": "pt"})
+    paths.write_atomic(root / "model.safetensors", blob)
+    if tokenizer is not None:
+        tokenizer.save(str(root))
+
+
+# ----------------------------------------------------------------------------- workdirs
+
+
+def export_workdir(
+    workdir: str, directory: str, *, step: int | None = None, average: int = 1
+) -> TransformerConfig:
+    """Writes a train.py workdir (e.g. a Marian model fine-tuned with
+    configs/finetune_marian.py) as a Hugging Face Marian folder: its ``model_config.json``, the
+    parameters of checkpoint ``step`` (default the latest; ``average`` > 1: the mean of that
+    many last checkpoints) and, when the workdir holds one, its Marian tokenizer.
+
+    Raises:
+      FileNotFoundError: no workdir, model_config.json or checkpoint.
+      ValueError: the model is not a Marian architecture (the differing fields are named).
+    """
+    from flaxformer_lite.checkpoints import choose_steps
+    from flaxformer_lite.inference import Translator, average_params
+
+    root = paths.resolve(workdir)
+    config_path = root / "model_config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no model_config.json in {workdir}: is it a train.py workdir?")
+    config = TransformerConfig.from_json(config_path.read_text())
+    config_to_hf(config)  # a non-Marian model fails here, before the checkpoint is read
+    checkpoints = str(root / "checkpoints")
+    steps = choose_steps(checkpoints, step=step, average=average)
+    params = average_params(checkpoints, steps, Translator.abstract_params(config))
+    save_pretrained(directory, config, params, _load_tokenizer(root))
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flaxformer_lite.hf --workdir W --out DIR``: a workdir to a Hugging Face
+    Marian folder (then ``ct2-transformers-converter --model DIR`` for CTranslate2)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m flaxformer_lite.hf",
+        description="Write a train.py workdir as a Hugging Face Marian model folder.",
+    )
+    parser.add_argument("--workdir", required=True, help="train.py workdir (local or gs://)")
+    parser.add_argument("--out", required=True, help="output folder (local or gs://)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+    parser.add_argument("--average", type=int, default=1, help="average the last N checkpoints")
+    args = parser.parse_args(argv)
+    if args.average < 1:
+        parser.error(f"argument --average: must be >= 1; got {args.average}")
+    out = paths.resolve(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"argument --out: {args.out} is a file; give a folder")
+    try:
+        config = export_workdir(args.workdir, args.out, step=args.step, average=args.average)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {out}: Marian model, vocabulary {config.vocab_size}, "
+        f"{config.num_encoder_layers}+{config.num_decoder_layers} layers"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,203 @@
+"""Mixture-of-experts feed-forward block: top-k routing with a capacity per expert.
+
+The pure functions do the routing arithmetic; ``MoeBlock`` holds the router and the expert
+weights and replaces ``layers.MlpBlock`` in the layers that ``TransformerConfig.moe_every``
+selects.
+
+Routing, for each group of tokens (one sequence of the batch, so groups never span devices):
+
+1. The router (a bias-free `[d_model, experts]` projection, float32) gives probabilities
+   p = softmax(router logits) per token; each token picks its ``k`` most probable experts.
+   The combine weights are those probabilities renormalised over the k choices (with k = 1,
+   the probability itself, as in the Switch Transformer).
+2. Capacity: an expert takes at most ``C = ceil(capacity_factor * tokens * k / experts)``
+   tokens of a group. Assignments fill slots in priority order: every token's first choice,
+   in token order, then every second choice, and so on (GShard), so a token loses its first
+   choice only when its expert is full of earlier first choices. An assignment beyond ``C`` is
+   dropped: it adds nothing to the block's output (the residual connection still carries the
+   token). Without a capacity factor (evaluation and decoding) nothing is dropped.
+3. Dispatch is a scatter of token vectors into an `[groups, experts, C, d_model]` buffer and
+   combine a gather back, by (expert, slot) indices: nothing of size
+   `[tokens, experts, C]` (GShard's one-hot dispatch tensor) is ever built.
+
+Auxiliary losses (sown into the ``"losses"`` collection, which the training step makes
+mutable and adds to its objective; elsewhere ``sow`` does nothing):
+
+* load balancing (Switch Transformer, eq. 4, over all k choices):
+  ``experts * sum_e f_e * P_e``, f_e the fraction of assignments routed to expert e (before
+  capacity), P_e the mean router probability of e; 1 when routing is uniform.
+* router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2.
+
+Also sown: ``moe_dropped``, the fraction of assignments dropped for capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.activations import ACTIVATIONS, GATED
+
+Array = jax.Array
+
+
+def capacity(tokens: int, num_experts: int, k: int, factor: float | None) -> int:
+    """Slots per expert for a group of ``tokens``: ``ceil(factor * tokens * k / experts)``,
+    at most ``tokens`` (an expert never gets a token twice); ``tokens`` when ``factor`` is None
+    (no limit)."""
+    if factor is None:
+        return tokens
+    return max(1, min(tokens, math.ceil(factor * tokens * k / num_experts)))
+
+
+def route(
+    router_logits: Array, k: int, slots: int, valid: Array | None = None
+) -> tuple[Array, Array, Array, Array]:
+    """Top-k routing with capacity for groups of tokens.
+
+    Args:
+      router_logits: float `[groups, tokens, experts]`.
+      k: experts per token.
+      slots: capacity C of each expert per group.
+      valid: optional bool `[groups, tokens]`; False tokens (padding) are not routed and take
+        no slot.
+
+    Returns:
+      expert: int32 `[groups, tokens, k]`, the chosen experts (most probable first);
+      slot: int32 `[groups, tokens, k]`, each assignment's slot in its expert, ``slots`` when
+        dropped (over capacity, or an invalid token);
+      gate: float32 `[groups, tokens, k]`, the combine weights (0 where dropped);
+      probs: float32 `[groups, tokens, experts]`, the router probabilities.
+    """
+    num_experts = router_logits.shape[-1]
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    top_p, expert = jax.lax.top_k(probs, k)  # [g, t, k]
+    gate = top_p / jnp.sum(top_p, axis=-1, keepdims=True) if k > 1 else top_p
+    chosen = jax.nn.one_hot(expert, num_experts, dtype=jnp.int32)  # [g, t, k, e]
+    if valid is not None:
+        chosen = chosen * valid[:, :, None, None].astype(jnp.int32)
+    # Priority order: choice-major (all first choices, then all second ...), token order inside.
+    g, t = expert.shape[:2]
+    ordered = jnp.swapaxes(chosen, 1, 2).reshape(g, k * t, num_experts)
+    position = jnp.cumsum(ordered, axis=1) - ordered  # assignments to e before this one
+    position = jnp.swapaxes(position.reshape(g, k, t, num_experts), 1, 2)  # [g, t, k, e]
+    slot = jnp.sum(position * chosen, axis=-1)  # [g, t, k]
+    kept = (slot < slots) & (jnp.sum(chosen, axis=-1) > 0)
+    slot = jnp.where(kept, slot, slots).astype(jnp.int32)
+    return expert.astype(jnp.int32), slot, jnp.where(kept, gate, 0.0), probs
+
+
+def load_balancing_loss(probs: Array, expert: Array, valid: Array | None = None) -> Array:
+    """Switch Transformer's auxiliary loss ``E * sum_e f_e P_e`` over valid tokens.
+
+    probs `[groups, tokens, experts]`, expert int `[groups, tokens, k]` (assignments before
+    capacity), valid bool `[groups, tokens]` or None. 1.0 for perfectly uniform routing."""
+    num_experts = probs.shape[-1]
+    w = jnp.ones(probs.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w), 1.0)
+    counts = jnp.sum(jax.nn.one_hot(expert, num_experts) * w[:, :, None, None], axis=(0, 1, 2))
+    fraction = counts / (n * expert.shape[-1])
+    mean_prob = jnp.sum(probs * w[:, :, None], axis=(0, 1)) / n
+    return num_experts * jnp.sum(fraction * mean_prob)
+
+
+def router_z_loss(router_logits: Array, valid: Array | None = None) -> Array:
+    """ST-MoE's z-loss: mean over valid tokens of logsumexp(logits)^2 (keeps logits small)."""
+    z = jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1) ** 2
+    if valid is None:
+        return jnp.mean(z)
+    w = valid.astype(jnp.float32)
+    return jnp.sum(z * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def dispatch(x: Array, expert: Array, slot: Array, num_experts: int, slots: int) -> Array:
+    """Token vectors x `[groups, tokens, d]` into expert buffers `[groups, experts, slots, d]`
+    at (expert, slot); dropped assignments (slot == ``slots``) go nowhere."""
+    g, t, k = expert.shape
+    buffer = jnp.zeros((g, num_experts, slots, x.shape[-1]), x.dtype)
+    rows = jnp.broadcast_to(jnp.arange(g)[:, None, None], (g, t, k))
+    values = jnp.broadcast_to(x[:, :, None, :], (g, t, k, x.shape[-1]))
+    return buffer.at[rows, expert, slot].set(values, mode="drop")
+
+
+def combine(y: Array, expert: Array, slot: Array, gate: Array) -> Array:
+    """Expert outputs y `[groups, experts, slots, d]` back to tokens `[groups, tokens, d]`:
+    the gate-weighted sum over each token's kept assignments."""
+    g, t, k = expert.shape
+    rows = jnp.broadcast_to(jnp.arange(g)[:, None, None], (g, t, k))
+    picked = y.at[rows, expert, slot].get(mode="fill", fill_value=0)  # [g, t, k, d]
+    return jnp.einsum("gtkd,gtk->gtd", picked, gate.astype(picked.dtype))
+
+
+class MoeBlock(nn.Module):
+    """``num_experts`` feed-forward experts (``MlpBlock``'s arithmetic, one weight set per
+    expert), top-``k`` routed. `[batch, length, d_model]` -> same; each batch row is a group.
+
+    ``capacity_factor`` applies when ``deterministic`` is False (training); evaluation and
+    decoding route every token to its k experts (no capacity, nothing dropped), so cached
+    decoding computes what the full forward does.
+    """
+
+    num_experts: int
+    k: int
+    d_ff: int
+    capacity_factor: float | None = 1.25
+    activation: str = "relu"
+    use_bias: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, valid: Array | None = None, *, deterministic: bool = True):
+        e, d = self.num_experts, x.shape[-1]
+        router = self.param(
+            "router",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None)),
+            (d, e),
+            self.param_dtype,
+        )
+        logits = jnp.einsum("gtd,de->gte", x.astype(jnp.float32), router.astype(jnp.float32))
+        factor = None if deterministic else self.capacity_factor
+        slots = capacity(x.shape[1], e, self.k, factor)
+        expert, slot, gate, probs = route(logits, self.k, slots, valid)
+        self.sow("losses", "moe_aux_loss", load_balancing_loss(probs, expert, valid))
+        self.sow("losses", "router_z_loss", router_z_loss(logits, valid))
+        assignments = expert.size if valid is None else jnp.sum(valid) * self.k
+        kept = jnp.sum(slot < slots)
+        self.sow("losses", "moe_dropped", 1.0 - kept / jnp.maximum(assignments, 1))
+
+        def weights(name: str, shape: tuple[int, ...], names: tuple[str | None, ...], init):
+            return self.param(
+                name, nn.with_logical_partitioning(init, names), shape, self.param_dtype
+            ).astype(self.dtype)
+
+        kernel_init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", batch_axis=(0,))
+        zeros = nn.initializers.zeros_init()
+        h_in = dispatch(x.astype(self.dtype), expert, slot, e, slots)  # [g, e, c, d]
+        wi = weights("wi", (e, d, self.d_ff), ("expert", "embed", "mlp"), kernel_init)
+        h = jnp.einsum("gecd,edf->gecf", h_in, wi)
+        if self.use_bias:
+            h = h + weights("wi_bias", (e, self.d_ff), ("expert", "mlp"), zeros)[None, :, None]
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {tuple(ACTIVATIONS)}; got {self.activation!r}"
+            )
+        h = ACTIVATIONS[self.activation](h)
+        if self.activation in GATED:
+            up = weights("wi_up", (e, d, self.d_ff), ("expert", "embed", "mlp"), kernel_init)
+            u = jnp.einsum("gecd,edf->gecf", h_in, up)
+            if self.use_bias:
+                u = (
+                    u
+                    + weights("wi_up_bias", (e, self.d_ff), ("expert", "mlp"), zeros)[None, :, None]
+                )
+            h = h * u
+        wo = weights("wo", (e, self.d_ff, d), ("expert", "mlp", "embed"), kernel_init)
+        y = jnp.einsum("gecf,efd->gecd", h, wo)
+        if self.use_bias:
+            y = y + weights("wo_bias", (e, d), ("expert", "embed"), zeros)[None, :, None]
+        return combine(y, expert, slot, gate).astype(self.dtype)

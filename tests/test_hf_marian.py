@@ -1,0 +1,287 @@
+"""Marian checkpoints in and out (flaxformer_lite.hf) against the independent implementation:
+Hugging Face ``MarianMTModel`` (transformers + torch), tiny random models built offline from a
+``MarianConfig``.
+
+Every model has non-trivial parameters everywhere a mapping mistake could hide: the final
+logits bias, LayerNorm scales and biases, attention biases are all drawn at random (the
+default initialisation makes several of them zero or one). Batches are padded, rows of
+different lengths, with Marian's own ids (pad = decoder start = the last id, EOS 0).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the Marian reference runs in PyTorch (test extra)")
+transformers = pytest.importorskip(
+    "transformers", reason="MarianMTModel is the reference (pip install -e '.[test]')"
+)
+
+import jax  # noqa: E402
+
+from flaxformer_lite import EncoderDecoder, hf  # noqa: E402
+from flaxformer_lite.generate import generate  # noqa: E402
+
+VOCAB = 61
+PAD = VOCAB - 1
+
+# name -> MarianConfig overrides: opus-mt's choices (swish, scaled embeddings) and the rest.
+VARIANTS = {
+    "opus_mt": dict(activation_function="swish", scale_embedding=True),
+    "gelu_unscaled": dict(activation_function="gelu", scale_embedding=False),
+    "separate_untied": dict(
+        activation_function="relu",
+        scale_embedding=True,
+        share_encoder_decoder_embeddings=False,
+        decoder_vocab_size=47,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def marian_config(**overrides):
+    kw = dict(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=32,
+        pad_token_id=PAD,
+        decoder_start_token_id=PAD,
+        eos_token_id=0,
+        forced_eos_token_id=None,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kw.update(overrides)
+    if "decoder_vocab_size" in kw:  # the decoder's ids must stay inside its own vocabulary
+        kw["pad_token_id"] = kw["decoder_start_token_id"] = kw["decoder_vocab_size"] - 1
+    return transformers.MarianConfig(**kw)
+
+
+# Added to EOS's logit so that, greedily, some rows stop early and others run to the limit.
+EOS_BIAS = {"opus_mt": 3.0, "gelu_unscaled": 5.0, "separate_untied": 3.0}
+EMBED_STD = 0.5
+# Query/key kernels this many times larger sharpen attention, so that what greedy and beam
+# search pick depends on the source (with gain 1 most rows decode to the same few strings).
+# The logits comparison runs at gain 1: logits O(1) as in a trained model, whereas sharp
+# attention amplifies float32 rounding beyond 1e-5 in both implementations.
+DECODING_QK_GAIN = 3.0
+
+
+def random_marian(name: str, seed: int = 0, qk_gain: float = 1.0):
+    """A float32 MarianMTModel in eval mode with every parameter random (not its init).
+
+    HF's initialisation (std 0.02, zero biases, unit norms) gives logits that hardly depend on
+    the input: every row would decode to the same tokens. Here kernels are N(0, 1/fan_in),
+    embeddings and lm_head N(0, EMBED_STD^2) (logits of size ~EMBED_STD sqrt(d_model): peaky,
+    input-dependent), biases
+    and LayerNorm offsets N(0, 0.1^2), LayerNorm scales 1 +- 0.1, the final logits bias
+    N(0, 0.5^2) plus ``EOS_BIAS[name]`` on EOS.
+    """
+    torch.manual_seed(seed)
+    model = transformers.MarianMTModel(marian_config(**VARIANTS[name])).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "embed_positions" in pname:  # Marian's fixed sinusoids: not a free parameter
+                continue
+            if "layer_norm" in pname and pname.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif pname.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in pname or "shared" in pname or "lm_head" in pname:
+                p.copy_(EMBED_STD * torch.randn(p.shape, generator=g))
+            elif p.ndim == 2:  # Linear [out, in]; sharper attention: input-dependent outputs
+                gain = qk_gain if ("q_proj" in pname or "k_proj" in pname) else 1.0
+                p.copy_(gain * torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+        bias = 0.5 * torch.randn(model.final_logits_bias.shape, generator=g)
+        bias[0, model.config.eos_token_id] += EOS_BIAS[name]
+        model.final_logits_bias.copy_(bias)
+    return model
+
+
+def padded_rows(rng, rows: int, length: int, vocab: int, pad: int, min_len: int = 2):
+    """int64 `[rows, length]`: real ids in [1, vocab - 1) then EOS 0, then pad."""
+    out = np.full((rows, length), pad, np.int64)
+    for r in range(rows):
+        n = int(rng.integers(min_len, length + 1))
+        out[r, : n - 1] = rng.integers(1, vocab - 1, size=n - 1)
+        out[r, n - 1] = 0
+    return out
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def saved(request, tmp_path_factory):
+    """(name, HF model, its saved folder, our config, our params), the model with sharp
+    attention for the decoding tests."""
+    name = request.param
+    model = random_marian(name, qk_gain=DECODING_QK_GAIN)
+    folder = tmp_path_factory.mktemp(f"marian_{name}")
+    model.save_pretrained(folder)
+    config, params, tokenizer = hf.load_pretrained(str(folder))
+    assert tokenizer is None  # no tokenizer files were written
+    return name, model, folder, config, params
+
+
+def test_config_carries_marian_choices(saved):
+    name, model, _, config, _ = saved
+    hc = model.config
+    assert config.activation == hf.FROM_HF_ACTIVATION[hc.activation_function]
+    assert (config.sinusoid_layout, config.layer_norm_epsilon) == ("halves", 1e-5)
+    assert config.scale_embeddings == hc.scale_embedding
+    assert config.logits_bias
+    assert (config.pad_id, config.bos_id, config.eos_id) == (
+        hc.pad_token_id,
+        hc.decoder_start_token_id,
+        hc.eos_token_id,
+    )
+    assert config.share_embeddings == hc.share_encoder_decoder_embeddings
+    assert config.tie_output_embedding == hc.tie_word_embeddings
+    assert config.output_vocab_size == hc.decoder_vocab_size
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_match_marian_mt_model(name, tmp_path):
+    """Teacher-forced logits on a padded batch within 1e-5 of MarianMTModel's (float32)."""
+    model = random_marian(name, seed=7)
+    model.save_pretrained(tmp_path)
+    config, params, _ = hf.load_pretrained(str(tmp_path))
+    rng = np.random.default_rng(3)
+    src = padded_rows(rng, 6, 11, config.vocab_size, config.pad_id)
+    tgt = padded_rows(rng, 6, 9, config.output_vocab_size, config.pad_id)
+    # HF's decoder inputs: decoder start, then the labels shifted right.
+    dec_in = np.concatenate([np.full((6, 1), config.bos_id), tgt[:, :-1]], axis=1)
+    with torch.no_grad():
+        expected = model(
+            input_ids=torch.from_numpy(src),
+            attention_mask=torch.from_numpy(src != config.pad_id),
+            decoder_input_ids=torch.from_numpy(dec_in),
+        ).logits.numpy()
+    ours = jax.jit(EncoderDecoder(config).apply)(
+        {"params": params}, src.astype(np.int32), tgt.astype(np.int32)
+    )
+    real = tgt != config.pad_id
+    real[:, 0] = True
+    err = np.abs(np.asarray(ours) - expected)[real].max()
+    assert err < 1e-5, err
+    assert np.abs(expected).max() > 1.0  # the comparison is not between two near-zero arrays
+
+
+def test_greedy_matches_hf_generate(saved):
+    """Greedy tokens identical to ``generate(num_beams=1)`` on 32 padded rows."""
+    _, model, _, config, params = saved
+    rng = np.random.default_rng(4)
+    src = padded_rows(rng, 32, 12, config.vocab_size, config.pad_id)
+    max_new = 10
+    with torch.no_grad():
+        hf_out = model.generate(
+            input_ids=torch.from_numpy(src),
+            attention_mask=torch.from_numpy(src != config.pad_id),
+            num_beams=1,
+            do_sample=False,
+            max_new_tokens=max_new,
+            min_length=0,
+            forced_eos_token_id=None,
+            bad_words_ids=None,
+        ).numpy()
+    ours, _ = generate(params, config, src.astype(np.int32), method="greedy", max_len=max_new)
+    ours = np.asarray(ours)
+    # HF: decoder start first, then the tokens; after EOS it pads with pad_token_id.
+    hf_tokens = np.full((32, max_new), config.pad_id, np.int64)
+    hf_tokens[:, : hf_out.shape[1] - 1] = hf_out[:, 1:]
+    np.testing.assert_array_equal(ours, hf_tokens)
+    # The comparison covers both stopping paths and rows that differ from each other.
+    ended = (ours == config.eos_id).any(axis=1)
+    assert 0 < ended.sum() < 32, ended.sum()
+    assert len({tuple(row) for row in ours}) >= 8
+
+
+def test_save_load_bitwise_and_hf_reads_ours(saved, tmp_path):
+    """load -> save -> load gives bitwise the same parameters and config, and MarianMTModel
+    loads our folder to the same logits as the original."""
+    _, model, _, config, params = saved
+    hf.save_pretrained(str(tmp_path), config, params)
+    config2, params2, _ = hf.load_pretrained(str(tmp_path))
+    assert config2 == config
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    flat2 = dict(jax.tree_util.tree_leaves_with_path(params2))
+    assert len(flat) == len(flat2)
+    for path, leaf in flat:
+        assert leaf.dtype == flat2[path].dtype and leaf.shape == flat2[path].shape
+        assert np.array_equal(leaf.view(np.uint32), flat2[path].view(np.uint32)), path
+    reloaded = transformers.MarianMTModel.from_pretrained(str(tmp_path)).eval()
+    src = torch.tensor([[5, 6, 7, 0], [8, 9, 0, config.pad_id]])
+    dec = torch.tensor([[config.bos_id, 3, 4], [config.bos_id, 5, 0]])
+    with torch.no_grad():
+        a = model(input_ids=src, attention_mask=src != config.pad_id, decoder_input_ids=dec)
+        b = reloaded(input_ids=src, attention_mask=src != config.pad_id, decoder_input_ids=dec)
+    np.testing.assert_array_equal(a.logits.numpy(), b.logits.numpy())
+
+
+def test_bad_inputs_name_the_problem(tmp_path, saved):
+    _, _, folder, config, params = saved
+    with pytest.raises(FileNotFoundError, match="no folder"):
+        hf.load_pretrained(str(tmp_path / "missing" / "deeper" / "x"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        hf.load_pretrained(str(tmp_path / "empty"))
+    bart = json.loads((folder / "config.json").read_text())
+    bart["model_type"] = "bart"
+    (tmp_path / "bart").mkdir()
+    (tmp_path / "bart" / "config.json").write_text(json.dumps(bart))
+    with pytest.raises(ValueError, match="model_type 'bart'"):
+        hf.load_pretrained(str(tmp_path / "bart"))
+    with pytest.raises(ValueError, match="norm_position='pre'"):
+        hf.save_pretrained(str(tmp_path / "out"), config.replace(norm_position="pre"), params)
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_pytorch_bin_weights_load_like_safetensors(saved, tmp_path):
+    """An older checkpoint (``pytorch_model.bin``, every tied copy and the position tables
+    stored, as the opus-mt repositories have them) loads to the same parameters."""
+    _, model, folder, config, params = saved
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # tied copies included
+    assert "model.encoder.embed_positions.weight" in state
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    config2, params2, _ = hf.load_pretrained(str(tmp_path))
+    assert config2 == config
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, params2)
+
+
+def test_a_hub_id_that_cannot_be_fetched_says_so(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never the network in tests
+    with pytest.raises(FileNotFoundError, match="could not be fetched from the Hugging Face hub"):
+        hf.load_pretrained("flaxformer-lite-tests/no-such-model")
+
+
+def test_save_and_load_through_a_bucket(saved, gcs):
+    """``gs://`` folders both ways (a real GCS server on localhost: the ``gcs`` fixture)."""
+    _, _, _, config, params = saved
+    uri = f"gs://bucket/marian-{config.activation}-{config.output_vocab_size}"
+    hf.save_pretrained(uri, config, params)
+    config2, params2, _ = hf.load_pretrained(uri)
+    assert config2 == config
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, params2)
+
+
+def test_exporting_a_workdir_of_another_architecture_fails_before_reading_it(tmp_path, capsys):
+    """The paper's own configuration (interleaved sinusoids) is not a Marian model: the CLI
+    says which fields differ and writes nothing."""
+    from flaxformer_lite.config import TransformerConfig
+
+    (tmp_path / "model_config.json").write_text(TransformerConfig(vocab_size=10).to_json())
+    assert hf.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "sinusoid_layout='interleaved'" in err
+    assert not (tmp_path / "out").exists()
+    assert hf.main(["--workdir", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert "no model_config.json" in capsys.readouterr().err
