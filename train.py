@@ -59,12 +59,23 @@ def model_config(config: Any, task: tasks.Task) -> TransformerConfig:
 
     ``dtype="auto"`` computes in bfloat16 on TPU and GPU (float32 parameters, softmax and
     loss) and in float32 on a CPU, where XLA gains nothing from bfloat16.
+
+    Raises:
+      ValueError: ``config.model`` sets a special id other than the vocabulary's.
     """
     fields = dict(config.model)
+    special = dict(getattr(task, "special_ids", {}))
+    for name, value in special.items():
+        if name in fields and fields[name] != value:
+            raise ValueError(
+                f"config.model.{name}={fields[name]} but the task's vocabulary has "
+                f"{name}={value}; drop config.model.{name} (the vocabulary decides it) or use "
+                "the vocabulary the model was trained with"
+            )
     if fields.get("dtype") == "auto":
         fields["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     fields.update(vocab_size=task.vocab_size, target_vocab_size=task.target_vocab_size)
-    fields.update(getattr(task, "special_ids", {}))
+    fields.update(special)
     fields.setdefault("max_len", task.max_len)
     if task.target_vocab_size is not None:
         fields["share_embeddings"] = False

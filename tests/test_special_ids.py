@@ -108,6 +108,11 @@ def test_model_config_takes_the_ids_of_the_task_vocabulary():
                 special_ids=vocabulary_ids(VOCABULARY))  # fmt: skip
     cfg = train.model_config(config, task)
     assert (cfg.pad_id, cfg.bos_id, cfg.eos_id, cfg.unk_id) == (PAD, PAD, 0, 1)
+    config.model["eos_id"] = 0  # the same as the vocabulary's: fine
+    assert train.model_config(config, task).eos_id == 0
+    config.model["pad_id"] = 0  # the project's default, not this vocabulary's
+    with pytest.raises(ValueError, match=rf"config.model.pad_id=0 .* pad_id={PAD}"):
+        train.model_config(config, task)
 
 
 def test_pipeline_appends_eos_0_and_pads_with_pad_id_at_zero_weight():
@@ -248,3 +253,22 @@ def test_decode_metric_counts_rows_padded_with_the_pad_id(params):
     metrics, examples = train.decode_metric(task, params, CONFIG, mesh)
     assert metrics["eval/exact_match"] == pytest.approx(3 / 6)
     assert examples[0][0] == "3141"
+
+
+def test_a_resumed_run_keeps_the_ids_its_vocabulary_gave_model_config_json():
+    """preflight compares a resumed run's model with the saved model_config.json: ids that came
+    from the workdir's vocabulary (reused on resume) are not a change; ids set in
+    config.model are compared."""
+    import dataclasses
+    import importlib.util
+
+    from flaxformer_lite import preflight
+
+    spec = importlib.util.spec_from_file_location("default", ROOT / "configs" / "default.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    saved = dataclasses.asdict(TransformerConfig(**{**config.model, **vocabulary_ids(VOCABULARY)}))
+    assert preflight._model_changes(config, saved) == {}
+    config.model["eos_id"] = 1
+    assert preflight._model_changes(config, saved) == {"model.eos_id": (EOS, 1)}
