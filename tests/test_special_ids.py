@@ -86,6 +86,16 @@ CONFIG = TransformerConfig(
 SENTENCES = ["3141", "27", "5 5 0 1 9", "9", "8x2"]  # "x" is unknown
 
 
+def default_config():
+    """configs/default.py's training config."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("default", ROOT / "configs" / "default.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 def test_vocabulary_ids_are_the_config_fields_and_refuse_disagreeing_sides():
     assert vocabulary_ids(VOCABULARY) == {"pad_id": PAD, "eos_id": 0, "unk_id": 1, "bos_id": PAD}
     assert (CONFIG.pad_id, CONFIG.bos_id, CONFIG.eos_id, CONFIG.unk_id) == (PAD, PAD, 0, 1)
@@ -96,12 +106,7 @@ def test_vocabulary_ids_are_the_config_fields_and_refuse_disagreeing_sides():
 
 
 def test_model_config_takes_the_ids_of_the_task_vocabulary():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("default", ROOT / "configs" / "default.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = default_config()
     config.model = dict(d_model=16, num_heads=2, d_ff=32, dtype="float32")
     task = Task(kind="translation", train=None, eval_batches=[], vocab_size=VOCAB,
                 target_vocab_size=None, max_len=32,
@@ -260,14 +265,10 @@ def test_a_resumed_run_keeps_the_ids_its_vocabulary_gave_model_config_json():
     from the workdir's vocabulary (reused on resume) are not a change; ids set in
     config.model are compared."""
     import dataclasses
-    import importlib.util
 
     from flaxformer_lite import preflight
 
-    spec = importlib.util.spec_from_file_location("default", ROOT / "configs" / "default.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = default_config()
     saved = dataclasses.asdict(TransformerConfig(**{**config.model, **vocabulary_ids(VOCABULARY)}))
     assert preflight._model_changes(config, saved) == {}
     config.model["eos_id"] = 1
