@@ -1,4 +1,4 @@
-"""Marian's tokenizer through ``sentencepiece``: the ids and text of ``transformers.MarianTokenizer``.
+"""Marian's tokenizer through ``sentencepiece``: the ids and text ``MarianTokenizer`` gives.
 
 A Marian (opus-mt) folder holds two SentencePiece models, ``source.spm`` and ``target.spm``,
 which only cut text into pieces, and ``vocab.json``, which numbers the pieces of both (so the
@@ -220,9 +220,9 @@ class MarianTokenizer:
         )
 
     def save(self, directory: str) -> None:
-        """Writes the files ``transformers.MarianTokenizer.from_pretrained`` reads (and CTranslate2's
-        converter through it): the two models, the vocabularies, ``tokenizer_config.json`` and
-        ``special_tokens_map.json``."""
+        """Writes the files ``transformers.MarianTokenizer.from_pretrained`` reads (and
+        CTranslate2's converter through it): the two models, the vocabularies,
+        ``tokenizer_config.json`` and ``special_tokens_map.json``."""
         root = paths.resolve(directory)
         paths.makedirs(root)
         for name, blob in self._files.items():
