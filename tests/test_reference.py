@@ -178,6 +178,7 @@ CLASSIFIER = {
         norm_position="pre", activation="swiglu", scan_layers=True
     ),
     "post_rotary_first": TINY.replace(position="rotary", pooling="first"),
+    "post_attention_pooling": TINY.replace(pooling="attention"),
     "window_mean": TINY.replace(attention_window=2),
 }
 
