@@ -1,0 +1,249 @@
+"""The jax.export serving artifact against generate() and Hugging Face, run where only jax,
+numpy and sentencepiece are imported.
+
+One tiny random EncoderDecoder (d_model 32, 2 + 2 layers, its output projection scaled up so
+that rows differ and end at different steps) with a SentencePiece vocabulary trained in
+tmp_path is exported ONCE per method. A subprocess that never imports flaxformer_lite loads
+the artifact with its copied runtime.py and (a) calls the program on batch sizes 1, 3 and 8
+times two source lengths, whose tokens must equal generate()'s with the same options, and
+(b) translates strings, which must equal Translator.translate()'s. It also counts XLA
+compilations (jax.monitoring): the exported program is never traced again, but XLA compiles
+once per concrete input shape, so the six raw shapes compile six times while the runtime's
+bucketed translate() (8 rows, sources padded to 16) serves 1, 3 and 8 sentences with one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite import export
+from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.generate import generate
+from flaxformer_lite.inference import Translator
+from flaxformer_lite.models import EncoderDecoder
+from flaxformer_lite.special_ids import EOS_ID, PAD_ID
+from flaxformer_lite.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = [
+    "a dog runs in the park",
+    "the cat sleeps on a red mat",
+    "two men ride bikes down the road",
+    "a woman reads a book in the sun",
+    "children play with a ball near the water",
+    "the old man walks his dog",
+    "a girl in a blue dress sings",
+    "people wait for the bus in the rain",
+] * 4
+SENTENCES = ["a dog runs", "the cat", "", "two men"]
+MAX_LEN = 12
+BEAM, ALPHA = 3, 0.6
+SHAPES = [(batch, src_len) for batch in (1, 3, 8) for src_len in (5, 11)]
+SEED, SCALE = 1, 8.0
+
+# Run with only jax, numpy and sentencepiece importable from the artifact: argv = artifact,
+# cases .npz (source ids per shape), output .json. Prints nothing; writes tokens and counts.
+RUNTIME_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    import jax
+    artifact, cases_path, out_path = sys.argv[1:4]
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(secs)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    sys.path.insert(0, artifact)
+    import runtime
+    model = runtime.load(artifact)
+    result = {"tokens": {}, "raw_compiles": [], "translate": {}}
+    with np.load(cases_path) as cases:
+        for name in cases.files:
+            before = len(compiles)
+            start = time.perf_counter()
+            tokens, scores = model(cases[name])
+            result["tokens"][name] = tokens.tolist()
+            result["raw_compiles"].append(
+                [name, len(compiles) - before, sum(compiles[before:]), time.perf_counter() - start])
+    sentences = json.loads(sys.argv[4])
+    for count in (1, 3, 8):
+        before = len(compiles)
+        batch = (sentences * 8)[:count]
+        result["translate"][str(count)] = [model.translate(batch), len(compiles) - before]
+    result["encoded"] = [model.encode(s) for s in sentences]
+    result["imported"] = sorted(m.split(".")[0] for m in sys.modules)
+    assert "flaxformer_lite" not in sys.modules
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    """
+)
+
+
+def run_runtime(artifact: Path, cases: dict[str, np.ndarray], sentences, tmp: Path) -> dict:
+    """RUNTIME_SCRIPT in a fresh process (cwd outside the repository, no PYTHONPATH, no
+    persistent compilation cache so that compilations are counted, not loaded)."""
+    np.savez(tmp / "cases.npz", **cases)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "JAX_COMPILATION_CACHE_DIR") and not k.startswith("PYTEST")
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RUNTIME_SCRIPT,
+            str(artifact),
+            str(tmp / "cases.npz"),
+            str(tmp / "out.json"),
+            json.dumps(sentences),
+        ],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def source_cases(vocab_size: int, eos_id: int, pad_id: int, specials: set[int]) -> dict:
+    """Source ids per shape name "BxS": random ordinary ids, EOS-terminated, rows of
+    different lengths (the last column is always used by row 0), PAD after EOS."""
+    rng = np.random.default_rng(0)
+    ordinary = np.array([i for i in range(vocab_size) if i not in specials])
+    cases = {}
+    for batch, src_len in SHAPES:
+        ids = np.full((batch, src_len), pad_id, np.int32)
+        for row in range(batch):
+            length = src_len if row == 0 else int(rng.integers(2, src_len + 1))
+            ids[row, : length - 1] = rng.choice(ordinary, length - 1)
+            ids[row, length - 1] = eos_id
+        cases[f"{batch}x{src_len}"] = ids
+    return cases
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(translator, workdir with spm_shared.model, beam artifact, greedy artifact)."""
+    work = tmp_path_factory.mktemp("export")
+    vocab = Tokenizer.train(CORPUS, str(work / "spm_shared.model"), 60, num_threads=1)
+    config = TransformerConfig(
+        vocab_size=vocab.vocab_size,
+        d_model=32,
+        num_heads=2,
+        d_ff=64,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dropout_rate=0.0,
+        max_len=24,
+        tie_output_embedding=False,
+    )
+    tokens = jnp.ones((1, 1), jnp.int32)
+    params = nn.meta.unbox(EncoderDecoder(config).init(jax.random.key(SEED), tokens, tokens))
+    params = jax.device_get(params["params"])
+    params["decoder"]["logits"]["kernel"] = params["decoder"]["logits"]["kernel"] * SCALE
+    translator = Translator(params, config, vocab, beam_size=BEAM, alpha=ALPHA, name="tiny")
+    artifacts = {}
+    for method in ("beam", "greedy"):
+        artifacts[method] = work / method
+        export.export_translator(
+            translator, str(artifacts[method]), str(work), method=method, max_len=MAX_LEN
+        )
+    return translator, work, artifacts
+
+
+def reference(translator, ids: np.ndarray, method: str) -> np.ndarray:
+    tokens, _ = generate(
+        translator.params,
+        translator.config,
+        ids,
+        method=method,
+        max_len=MAX_LEN,
+        beam_size=BEAM if method == "beam" else 1,
+        alpha=ALPHA if method == "beam" else 0.0,
+        mesh=translator.mesh,
+    )
+    return np.asarray(tokens)
+
+
+def test_artifact_files_and_manifest(model):
+    translator, _, artifacts = model
+    root = artifacts["beam"]
+    names = {p.name for p in root.iterdir()}
+    assert {
+        "manifest.json",
+        "translate.jax",
+        "params.npz",
+        "runtime.py",
+        "spm_shared.model",
+    } <= names
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["method"] == "beam" and manifest["beam_size"] == BEAM
+    assert manifest["max_len"] == MAX_LEN and manifest["vocabulary"] == "spm"
+    assert manifest["ids"]["pad"] == PAD_ID and manifest["ids"]["eos"] == EOS_ID
+    assert manifest["versions"]["jax"] == jax.__version__
+    exported = jax.export.deserialize(bytearray((root / "translate.jax").read_bytes()))
+    # One program for every batch size and source length: the input shapes are symbolic.
+    assert [str(a.shape) for a in exported.in_avals[-2:]] == ["(b, s)", "(b,)"]
+    with np.load(root / "params.npz") as flat:
+        ours = export.flatten_params(translator.params)
+        assert sorted(flat.files) == sorted(ours)
+        assert all(np.array_equal(flat[k], ours[k]) for k in ours)
+
+
+@pytest.mark.parametrize("method", ["beam", "greedy"])
+def test_runtime_matches_generate_without_flaxformer_lite(model, method, tmp_path):
+    translator, _, artifacts = model
+    config = translator.config
+    cases = source_cases(config.vocab_size, EOS_ID, PAD_ID, {0, 1, 2, 3})
+    if method == "greedy":  # the full grid runs for beam; greedy checks two shapes
+        cases = {k: v for k, v in cases.items() if k in ("3x11", "8x5")}
+    result = run_runtime(artifacts[method], cases, SENTENCES, tmp_path)
+    assert "flaxformer_lite" not in result["imported"] and "flax" not in result["imported"]
+    varied = set()
+    for name, ids in cases.items():
+        ours = np.asarray(result["tokens"][name])
+        np.testing.assert_array_equal(ours, reference(translator, ids, method), err_msg=name)
+        varied |= {tuple(row) for row in ours.tolist()}
+    assert len(varied) >= 3, "the random model must not translate every row alike"
+    # Each new concrete shape compiles once in XLA (no model code is traced again).
+    assert [count for _, count, *_ in result["raw_compiles"]] == [1] * len(cases)
+    # Bucketed: 1, 3 and 8 sentences are all 8 rows x 16 source positions: one compilation.
+    assert max(len(ids) for ids in result["encoded"] if ids) <= 16
+    counts = [result["translate"][k][1] for k in ("1", "3", "8")]
+    assert counts == [1, 0, 0]
+    # Every source here has 1.5 * length + 10 > MAX_LEN: each row's limit is MAX_LEN on both.
+    expected = translator.translate((SENTENCES * 8)[:8], method=method, max_len=MAX_LEN)
+    assert result["translate"]["8"][0] == expected
+    assert result["translate"]["3"][0] == expected[:3]
+    print(method, "raw calls [shape, compiles, compile s, call s]:", result["raw_compiles"])
+    print(method, "encoded", result["encoded"], "translate", result["translate"]["3"])
+
+
+def test_bad_arguments(model, tmp_path, capsys):
+    translator, work, _ = model
+    with pytest.raises(ValueError, match="method must be one of"):
+        export.export_translator(translator, str(tmp_path / "x"), str(work), method="sample")
+    with pytest.raises(FileNotFoundError, match="no exportable vocabulary"):
+        export.export_translator(translator, str(tmp_path / "x"), str(tmp_path))
+    with pytest.raises(ValueError, match="max_len"):
+        export.export_translator(translator, str(tmp_path / "x"), str(work), max_len=99)
+    assert export.main(["--workdir", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
+    assert "workdir" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        export.main(["--workdir", str(work), "--out", str(tmp_path), "--method", "sample"])
+    assert e.value.code == 2
+    assert "invalid choice: 'sample'" in capsys.readouterr().err
