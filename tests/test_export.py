@@ -247,3 +247,113 @@ def test_bad_arguments(model, tmp_path, capsys):
         export.main(["--workdir", str(work), "--out", str(tmp_path), "--method", "sample"])
     assert e.value.code == 2
     assert "invalid choice: 'sample'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+HF_SENTENCES = ["a dog runs", "the cat sleeps", ">>de<< two men", "", "red bikes", "a girl sings"]
+HF_MAX_LEN = 8
+
+
+def marian_dir(root: Path, spm_model: Path, seed: int = 0) -> tuple[Path, int]:
+    """A tiny random MarianMTModel saved with a Marian tokenizer (source.spm = target.spm =
+    ``spm_model``; vocab.json: </s> 0, <unk> 1, the pieces, <pad> last; the piece "▁d" left
+    out so that it maps to <unk>). Returns the folder and the missing piece's spm id."""
+    torch = pytest.importorskip("torch", reason="the Marian reference runs in PyTorch (test extra)")
+    transformers = pytest.importorskip("transformers", reason="MarianMTModel is the reference")
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+    pieces = [sp.id_to_piece(i) for i in range(4, sp.get_piece_size())]
+    pieces = [p for p in pieces if p != "\u2581d"]
+    vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
+    vocab["<pad>"] = len(vocab)
+    size = len(vocab)
+    config = transformers.MarianConfig(
+        vocab_size=size,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=32,
+        pad_token_id=size - 1,
+        decoder_start_token_id=size - 1,
+        eos_token_id=0,
+        forced_eos_token_id=None,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    model = transformers.MarianMTModel(config).eval()
+    with torch.no_grad():  # peaky, input-dependent logits (HF's init decodes every row alike)
+        for name, p in model.named_parameters():
+            if "embed_positions" in name or p.ndim != 2:
+                continue
+            if "embed" in name or "shared" in name:
+                p.copy_(0.5 * torch.randn(p.shape))
+            else:  # Linear [out, in]; sharper attention on queries and keys
+                gain = 3.0 if ("q_proj" in name or "k_proj" in name) else 1.0
+                p.copy_(gain * torch.randn(p.shape) / p.shape[1] ** 0.5)
+        bias = 0.5 * torch.randn(model.final_logits_bias.shape)
+        bias[0, 0] += 3.0  # EOS: some rows stop early
+        model.final_logits_bias.copy_(bias)
+    model.save_pretrained(str(root))
+    for name in ("source.spm", "target.spm"):
+        (root / name).write_bytes(spm_model.read_bytes())
+    (root / "vocab.json").write_text(json.dumps(vocab))
+    return root, sp.piece_to_id("\u2581d")
+
+
+def test_marian_folder_exports_and_matches_hugging_face(model, tmp_path):
+    torch = pytest.importorskip("torch", reason="the Marian reference runs in PyTorch (test extra)")
+    transformers = pytest.importorskip("transformers", reason="MarianMTModel is the reference")
+    _, work, _ = model
+    hf_dir, _ = marian_dir(tmp_path / "marian", work / "spm_shared.model")
+    artifact = tmp_path / "artifact"
+    argv = ["--workdir", str(hf_dir), "--out", str(artifact), "--method", "greedy"]
+    assert export.main([*argv, "--max-len", str(HF_MAX_LEN)]) == 0
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["vocabulary"] == "marian" and manifest["ids"]["eos"] == 0
+
+    tokenizer = transformers.MarianTokenizer(
+        source_spm=str(hf_dir / "source.spm"),
+        target_spm=str(hf_dir / "target.spm"),
+        vocab=str(hf_dir / "vocab.json"),
+    )
+    hf_model = transformers.MarianMTModel.from_pretrained(str(hf_dir)).eval()
+    texts = [s for s in HF_SENTENCES if s]
+    batch = tokenizer(texts, padding=True, return_tensors="np")
+    with torch.no_grad():
+        hf_out = hf_model.generate(
+            input_ids=torch.from_numpy(batch["input_ids"]),
+            attention_mask=torch.from_numpy(batch["attention_mask"]),
+            num_beams=1,
+            do_sample=False,
+            max_new_tokens=HF_MAX_LEN,
+            min_length=0,
+            forced_eos_token_id=None,
+            bad_words_ids=None,
+        ).numpy()
+    pad = manifest["ids"]["pad"]
+    hf_tokens = np.full((len(texts), HF_MAX_LEN), pad, np.int64)
+    hf_tokens[:, : hf_out.shape[1] - 1] = hf_out[:, 1:]  # without the decoder start
+    source = batch["input_ids"].astype(np.int32)
+    result = run_runtime(artifact, {"hf": source}, HF_SENTENCES, tmp_path)
+
+    unk = manifest["ids"]["unk"]
+    expected_ids = [tokenizer(s)["input_ids"] if s else None for s in HF_SENTENCES]
+    assert result["encoded"] == expected_ids
+    assert any(unk in ids for ids in expected_ids if ids)  # ">>de<<" and "▁d" are unknown
+    np.testing.assert_array_equal(result["tokens"]["hf"], hf_tokens)
+    assert len({tuple(row) for row in hf_tokens.tolist()}) >= 3
+    ended = (hf_tokens == manifest["ids"]["eos"]).any(axis=1)
+    assert 0 < ended.sum() < len(texts)  # both ways of stopping: EOS and the length limit
+    hf_strings = tokenizer.batch_decode(hf_out, skip_special_tokens=True)
+    print("hf strings", hf_strings, "tokens", hf_tokens.tolist())
+    assert sum(bool(s) for s in hf_strings) >= 3
+    expected = dict(zip(texts, hf_strings, strict=True))
+    got = result["translate"]["8"][0]
+    assert got == [expected.get(s, "") for s in (HF_SENTENCES * 8)[:8]]
