@@ -357,3 +357,20 @@ def test_marian_folder_exports_and_matches_hugging_face(model, tmp_path):
     expected = dict(zip(texts, hf_strings, strict=True))
     got = result["translate"]["8"][0]
     assert got == [expected.get(s, "") for s in (HF_SENTENCES * 8)[:8]]
+
+
+def test_one_artifact_for_cpu_and_cuda(model):
+    """Lowered for CPU and CUDA on this CPU machine; the CPU half gives the same tokens."""
+    translator, _, _ = model
+    exported = export.export_function(
+        translator.params,
+        translator.config,
+        method="greedy",
+        max_len=MAX_LEN,
+        platforms=("cpu", "cuda"),
+    )
+    assert exported.platforms == ("cpu", "cuda")
+    restored = jax.export.deserialize(exported.serialize())
+    ids = source_cases(translator.config.vocab_size, EOS_ID, PAD_ID, {0, 1, 2, 3})["3x11"]
+    tokens, _ = restored.call(translator.params, ids, np.full((3,), MAX_LEN, np.int32))
+    np.testing.assert_array_equal(np.asarray(tokens), reference(translator, ids, "greedy"))
