@@ -137,7 +137,11 @@ def source_cases(vocab_size: int, eos_id: int, pad_id: int, specials: set[int]) 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """(translator, workdir with spm_shared.model, beam artifact, greedy artifact)."""
+    """(translator, train.py-style workdir, {method: artifact}): the beam artifact through the
+    CLI from the workdir (its checkpoint, config.json's beam size and alpha), the greedy one
+    through ``export_translator``."""
+    from flaxformer_lite.checkpoints import Checkpointer
+
     work = tmp_path_factory.mktemp("export")
     vocab = Tokenizer.train(CORPUS, str(work / "spm_shared.model"), 60, num_threads=1)
     config = TransformerConfig(
@@ -155,13 +159,21 @@ def model(tmp_path_factory):
     params = nn.meta.unbox(EncoderDecoder(config).init(jax.random.key(SEED), tokens, tokens))
     params = jax.device_get(params["params"])
     params["decoder"]["logits"]["kernel"] = params["decoder"]["logits"]["kernel"] * SCALE
-    translator = Translator(params, config, vocab, beam_size=BEAM, alpha=ALPHA, name="tiny")
-    artifacts = {}
-    for method in ("beam", "greedy"):
-        artifacts[method] = work / method
-        export.export_translator(
-            translator, str(artifacts[method]), str(work), method=method, max_len=MAX_LEN
-        )
+    # The layout train.py writes: configs and an Orbax checkpoint of a train state.
+    (work / "model_config.json").write_text(config.to_json())
+    run = {"task": "translation", "beam_size": BEAM, "alpha": ALPHA}
+    (work / "config.json").write_text(json.dumps(run))
+    checkpointer = Checkpointer(str(work / "checkpoints"), async_save=False)
+    state = {"step": np.int32(3), "params": params, "opt_state": {}}
+    checkpointer.save(3, state, {"train": {"index": 3}}, force=True)
+    checkpointer.close()
+    translator = Translator.from_workdir(str(work))
+    artifacts = {method: work / "artifacts" / method for method in ("beam", "greedy")}
+    cli = ["--workdir", str(work), "--out", str(artifacts["beam"]), "--max-len", str(MAX_LEN)]
+    assert export.main(cli) == 0
+    export.export_translator(
+        translator, str(artifacts["greedy"]), str(work), method="greedy", max_len=MAX_LEN
+    )
     return translator, work, artifacts
 
 
