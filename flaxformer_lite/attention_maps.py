@@ -1,7 +1,9 @@
-"""Heatmaps of every attention head for the greedy translation of one sentence.
+"""Heatmaps of every attention head for the greedy translation of one sentence, or the pooling
+attention of a classifier over one text.
 
     python -m flaxformer_lite.attention_maps --workdir runs/m30k \
         --text "A man rides a bike." --out maps/
+    python -m flaxformer_lite.attention_maps --workdir runs/imdb --text "A fine film." --out maps/
 
 Writes one PNG per layer and kind, each a grid of its heads, axes labelled with the subword
 pieces (``--workdir`` and ``--out`` may be ``gs://`` URIs):
@@ -11,6 +13,10 @@ pieces (``--workdir`` and ``--out`` may be ``gs://`` URIs):
   encoder_decoder_layer{i}.png  queries: generated pieces, keys: source pieces
 
 Row t of a decoder map is the position that predicted generated piece t.
+
+A classification workdir trained with ``pooling="attention"`` (configs/imdb.py) gives one figure
+instead, ``pooling_attention.png``: the text's pieces in reading order, each shaded by the
+weight the pooling gave it, titled with the predicted class and its probability.
 """
 
 from __future__ import annotations
@@ -102,6 +108,99 @@ def write_maps(maps: dict[str, Any], out_dir: str) -> list[str]:
     return written
 
 
+# ----------------------------------------------------------------------------- classifiers
+
+
+def classifier_pooling(workdir: str, text: str, *, step: int | None = None) -> dict[str, Any]:
+    """The pooling attention of a classification workdir over ``text``.
+
+    Returns ``{"pieces": [...], "weights": float [n], "probabilities": float [classes],
+    "label": int}`` for the encoded text (cut at ``max_len``, EOS included).
+
+    Raises:
+      FileNotFoundError: no workdir, model_config.json, vocabulary or checkpoint.
+      ValueError: the run does not pool by attention (``model.pooling`` must be "attention").
+    """
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from flaxformer_lite.checkpoints import choose_steps
+    from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.inference import average_params
+    from flaxformer_lite.models import EncoderClassifier
+    from flaxformer_lite.workdir_data import load_tokenizer
+
+    root = paths.resolve(workdir)
+    config_path = root / "model_config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no model_config.json in {workdir}: is it a train.py workdir?")
+    config = TransformerConfig.from_json(config_path.read_text())
+    if config.pooling != "attention":
+        raise ValueError(
+            f"{workdir} pools by {config.pooling!r}; a pooling figure needs a classifier trained "
+            "with --config.model.pooling=attention (configs/imdb.py)"
+        )
+    vocab = load_tokenizer(str(root))
+    if vocab is None:
+        raise FileNotFoundError(f"no vocabulary (spm_cls.model) in {workdir}")
+    ids = [*vocab.encode(text)[: config.max_len - 1], config.eos_id]
+    tokens = jnp.asarray([ids], jnp.int32)
+    model = EncoderClassifier(config)
+    expected = nn.meta.unbox(
+        jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
+    )
+    checkpoints = str(root / "checkpoints")
+    params = average_params(checkpoints, choose_steps(checkpoints, step=step), expected)
+    logits, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    probabilities = np.asarray(jax.nn.softmax(logits[0]))
+    return {
+        "pieces": vocab.id_to_piece(ids),
+        "weights": np.asarray(state["intermediates"]["pooling_weights"][0][0]),
+        "probabilities": probabilities,
+        "label": int(np.argmax(probabilities)),
+    }
+
+
+def plot_pooling(result: dict[str, Any], path: str, *, per_row: int = 16) -> None:
+    """Saves the pieces of ``classifier_pooling``'s ``result`` in reading order, ``per_row``
+    to a line, each cell shaded by its pooling weight (relative to the largest one)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pieces, weights = result["pieces"], np.asarray(result["weights"], np.float64)
+    rows = math.ceil(len(pieces) / per_row)
+    fig, ax = plt.subplots(figsize=(per_row * 0.9, rows * 0.35 + 0.9), constrained_layout=True)
+    cmap = plt.get_cmap("Reds")
+    top = max(float(weights.max()), 1e-12)
+    for i, (piece, w) in enumerate(zip(pieces, weights, strict=True)):
+        r, c = divmod(i, per_row)
+        ax.add_patch(plt.Rectangle((c, -r - 1), 1, 1, color=cmap(0.85 * w / top)))
+        ax.text(c + 0.5, -r - 0.5, piece, ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, per_row)
+    ax.set_ylim(-rows, 0)
+    ax.axis("off")
+    probability = float(result["probabilities"][result["label"]])
+    ax.set_title(
+        f"pooling attention over {len(pieces)} pieces: class {result['label']} "
+        f"(p = {probability:.2f}); darkest = weight {top:.3f}",
+        fontsize=9,
+    )
+    with epath.Path(path).open("wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+
+
+def _run_task(workdir: str) -> str:
+    """The task a workdir was trained on (its config.json), "translation" when unknown."""
+    import json
+
+    run = paths.resolve(workdir) / "config.json"
+    return json.loads(run.read_text()).get("task", "translation") if run.is_file() else ""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m flaxformer_lite.attention_maps",
@@ -132,6 +231,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain_warnings()
 
     try:
+        if _run_task(args.workdir) == "classification":
+            result = classifier_pooling(args.workdir, args.text, step=args.step)
+            paths.makedirs(args.out)
+            path = os.path.join(args.out, "pooling_attention.png")
+            plot_pooling(result, path)
+            print(f"pieces: {' '.join(result['pieces'])}")
+            print(f"class {result['label']}, probabilities {np.round(result['probabilities'], 3)}")
+            print(f"wrote {paths.resolve(path)}")
+            return 0
         translator = Translator.from_workdir(args.workdir, step=args.step)
         maps = translator.attention(args.text, max_len=args.max_len)
     except (FileNotFoundError, ValueError) as e:  # a message, not a traceback

@@ -22,7 +22,7 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 POSITIONS = ("sinusoidal", "learned", "rotary", "none")
 SINUSOID_LAYOUTS = ("interleaved", "halves")
 DTYPES = ("float32", "bfloat16", "float16")
-POOLINGS = ("mean", "first")
+POOLINGS = ("mean", "first", "attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,10 @@ class TransformerConfig:
         keeps separate query and key/value projections (its keys and values come from the
         encoder output).
       num_classes: labels of the EncoderClassifier head.
-      pooling: how the classifier pools the encoder output ("mean" over real tokens, "first").
+      pooling: how the classifier pools the encoder output: "mean" over real tokens, "first"
+        (position 0, a classification token) or "attention" (a softmax over real tokens of
+        their dot products with a learned query, scaled by 1/sqrt(d_model); the weights are
+        sown as ``pooling_weights``).
       pad_id: the padding token id in every input (default ``special_ids.PAD_ID``, what the
         tokenizers and the data pipeline use; ``generate`` pads its outputs with it too).
         Padding is found by this id: a real token must never equal it.

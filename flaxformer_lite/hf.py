@@ -593,3 +593,70 @@ def save_pretrained(
     paths.write_atomic(root / "model.safetensors", blob)
     if tokenizer is not None:
         tokenizer.save(str(root))
+
+
+# ----------------------------------------------------------------------------- workdirs
+
+
+def export_workdir(
+    workdir: str, directory: str, *, step: int | None = None, average: int = 1
+) -> TransformerConfig:
+    """Writes a train.py workdir (e.g. a Marian model fine-tuned with
+    configs/finetune_marian.py) as a Hugging Face Marian folder: its ``model_config.json``, the
+    parameters of checkpoint ``step`` (default the latest; ``average`` > 1: the mean of that
+    many last checkpoints) and, when the workdir holds one, its Marian tokenizer.
+
+    Raises:
+      FileNotFoundError: no workdir, model_config.json or checkpoint.
+      ValueError: the model is not a Marian architecture (the differing fields are named).
+    """
+    from flaxformer_lite.checkpoints import choose_steps
+    from flaxformer_lite.inference import Translator, average_params
+
+    root = paths.resolve(workdir)
+    config_path = root / "model_config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no model_config.json in {workdir}: is it a train.py workdir?")
+    config = TransformerConfig.from_json(config_path.read_text())
+    config_to_hf(config)  # a non-Marian model fails here, before the checkpoint is read
+    checkpoints = str(root / "checkpoints")
+    steps = choose_steps(checkpoints, step=step, average=average)
+    params = average_params(checkpoints, steps, Translator.abstract_params(config))
+    save_pretrained(directory, config, params, _load_tokenizer(root))
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flaxformer_lite.hf --workdir W --out DIR``: a workdir to a Hugging Face
+    Marian folder (then ``ct2-transformers-converter --model DIR`` for CTranslate2)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m flaxformer_lite.hf",
+        description="Write a train.py workdir as a Hugging Face Marian model folder.",
+    )
+    parser.add_argument("--workdir", required=True, help="train.py workdir (local or gs://)")
+    parser.add_argument("--out", required=True, help="output folder (local or gs://)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+    parser.add_argument("--average", type=int, default=1, help="average the last N checkpoints")
+    args = parser.parse_args(argv)
+    if args.average < 1:
+        parser.error(f"argument --average: must be >= 1; got {args.average}")
+    out = paths.resolve(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"argument --out: {args.out} is a file; give a folder")
+    try:
+        config = export_workdir(args.workdir, args.out, step=args.step, average=args.average)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {out}: Marian model, vocabulary {config.vocab_size}, "
+        f"{config.num_encoder_layers}+{config.num_decoder_layers} layers"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

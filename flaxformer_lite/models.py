@@ -556,7 +556,9 @@ class EncoderClassifier(nn.Module):
     """Encoder, pooled, then a linear head: int `[batch, length]` -> logits `[batch, classes]`.
 
     ``pooling="mean"`` averages the encoder output over real (non-pad) tokens; ``"first"`` takes
-    position 0 (put a classification token there).
+    position 0 (put a classification token there); ``"attention"`` weighs the real tokens by a
+    softmax of their scores against a learned query `[d_model]` and sows those weights
+    (`[batch, length]`, 0 on padding) into "intermediates" as ``pooling_weights``.
     """
 
     config: TransformerConfig
@@ -568,11 +570,26 @@ class EncoderClassifier(nn.Module):
         encoded = Encoder(cfg, _embedding(cfg, cfg.vocab_size, "embedding"), name="encoder")(
             inputs, deterministic=deterministic
         )
+        real = inputs != cfg.pad_id
         if cfg.pooling == "first":
             pooled = encoded[:, 0]
+        elif cfg.pooling == "attention":
+            query = self.param(
+                "pooling_query",
+                nn.with_logical_partitioning(nn.initializers.normal(1.0), ("embed",)),
+                (cfg.d_model,),
+                cfg.parameter_dtype,
+            )
+            scores = jnp.einsum(
+                "bnd,d->bn", encoded.astype(jnp.float32), query.astype(jnp.float32)
+            ) / jnp.sqrt(jnp.float32(cfg.d_model))
+            weights = jax.nn.softmax(jnp.where(real, scores, -jnp.inf), axis=-1)
+            weights = jnp.where(real, weights, 0.0)  # a row of padding only: all zero
+            self.sow("intermediates", "pooling_weights", weights)
+            pooled = jnp.einsum("bn,bnd->bd", weights.astype(encoded.dtype), encoded)
         else:
-            real = (inputs != cfg.pad_id)[..., None].astype(encoded.dtype)
-            pooled = (encoded * real).sum(axis=1) / jnp.maximum(real.sum(axis=1), 1)
+            mask = real[..., None].astype(encoded.dtype)
+            pooled = (encoded * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1)
         pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
         logits = nn.Dense(
             cfg.num_classes,

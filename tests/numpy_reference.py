@@ -355,12 +355,20 @@ def decoder_only_logits(cfg: Any, params: Params, tokens: np.ndarray) -> np.ndar
 
 def classifier_logits(cfg: Any, params: Params, inputs: np.ndarray) -> np.ndarray:
     """EncoderClassifier: tokens `[b, n]` -> class logits `[b, classes]`; "mean" pools over the
-    real (non-pad) tokens only, "first" takes position 0."""
+    real (non-pad) tokens only, "first" takes position 0, "attention" weighs the real tokens by
+    softmax_t(h_t . q / sqrt(d)) with the learned query q."""
     p = to_float64(params)
     inputs = np.asarray(inputs)
     encoded = encoder(cfg, p["encoder"], p["embedding"]["embedding"], inputs)
     if cfg.pooling == "first":
         pooled = encoded[:, 0]
+    elif cfg.pooling == "attention":
+        rows = []
+        for b in range(inputs.shape[0]):
+            h = encoded[b, inputs[b] != cfg.pad_id]  # real tokens only
+            scores = h @ p["pooling_query"] / math.sqrt(h.shape[-1])
+            rows.append(softmax(scores) @ h)
+        pooled = np.stack(rows)
     else:
         pooled = np.stack(
             [encoded[b, inputs[b] != cfg.pad_id].mean(0) for b in range(inputs.shape[0])]

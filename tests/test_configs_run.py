@@ -75,7 +75,12 @@ def data(tmp_path_factory) -> dict[str, Path]:
     for name, part in (("train", rows[:28]), ("dev", rows[28:])):
         lines = ["sentence\tlabel", *(f"{t}\t{label}" for t, label in part)]
         (sst2 / f"{name}.tsv").write_text("\n".join(lines) + "\n")
-    return {"multi30k": multi30k, "wmt14": wmt14, "sst2": sst2, "text": text}
+    imdb = root / "imdb"  # the SST-2 layout with IMDB's column name
+    imdb.mkdir()
+    for name in ("train", "dev"):
+        lines = (sst2 / f"{name}.tsv").read_text().splitlines()
+        (imdb / f"{name}.tsv").write_text("\n".join(["text\tlabel", *lines[1:]]) + "\n")
+    return {"multi30k": multi30k, "wmt14": wmt14, "sst2": sst2, "imdb": imdb, "text": text}
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -118,6 +123,11 @@ RUNS = {
     ),
     "sst2": (
         lambda d: dict(data_dir=str(d["sst2"]), vocab_size=48, max_len=16, batch_size=8),
+        {"eval/accuracy"},
+        "spm_cls.model",
+    ),
+    "imdb": (
+        lambda d: dict(data_dir=str(d["imdb"]), vocab_size=48, max_len=16, batch_size=8),
         {"eval/accuracy"},
         "spm_cls.model",
     ),

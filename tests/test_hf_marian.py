@@ -271,3 +271,17 @@ def test_save_and_load_through_a_bucket(saved, gcs):
     config2, params2, _ = hf.load_pretrained(uri)
     assert config2 == config
     jax.tree_util.tree_map(np.testing.assert_array_equal, params, params2)
+
+
+def test_exporting_a_workdir_of_another_architecture_fails_before_reading_it(tmp_path, capsys):
+    """The paper's own configuration (interleaved sinusoids) is not a Marian model: the CLI
+    says which fields differ and writes nothing."""
+    from flaxformer_lite.config import TransformerConfig
+
+    (tmp_path / "model_config.json").write_text(TransformerConfig(vocab_size=10).to_json())
+    assert hf.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "sinusoid_layout='interleaved'" in err
+    assert not (tmp_path / "out").exists()
+    assert hf.main(["--workdir", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert "no model_config.json" in capsys.readouterr().err

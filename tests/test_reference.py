@@ -167,6 +167,7 @@ CLASSIFIER = {
         norm_position="pre", activation="swiglu", scan_layers=True
     ),
     "post_rotary_first": TINY.replace(position="rotary", pooling="first"),
+    "post_attention_pooling": TINY.replace(pooling="attention"),
 }
 
 
