@@ -145,6 +145,7 @@ class ServingModel:
         self.source_vocab, self.target_vocab = load_vocabularies(root, self.manifest)
         ids = self.manifest["ids"]
         self.pad_id, self.eos_id = int(ids["pad"]), int(ids["eos"])
+        self.decoder_start_id = int(ids["decoder_start"])
         self.max_len = int(self.manifest["max_len"])
         self.max_source_len = int(self.manifest["max_source_len"])
 
@@ -183,11 +184,13 @@ class ServingModel:
         return [*ids[: self.max_source_len - 1], self.eos_id]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        """The text of generated ids: up to the first EOS, PAD dropped."""
+        """The text of generated ids: up to the first EOS, PAD and the decoder start dropped
+        (as ``tokenizer.Tokenizer.decode``), runs of whitespace made one space."""
         tokens = [int(t) for t in tokens]
         if self.eos_id in tokens:
             tokens = tokens[: tokens.index(self.eos_id)]
-        return " ".join(self.target_vocab.decode([t for t in tokens if t != self.pad_id]).split())
+        dropped = (self.pad_id, self.decoder_start_id)
+        return " ".join(self.target_vocab.decode([t for t in tokens if t not in dropped]).split())
 
     def translate(self, sentences: Sequence[str], *, batch_size: int | None = None) -> list[str]:
         """Translates ``sentences`` (the i-th output translates the i-th input; "" for empty).
