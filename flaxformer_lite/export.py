@@ -5,10 +5,12 @@
 
 ``--workdir`` is a ``train.py`` workdir (``model_config.json``, checkpoints, SentencePiece
 vocabulary) or a Hugging Face Marian folder (``config.json``, ``model.safetensors``,
-``source.spm``, ``target.spm``, ``vocab.json``). The output folder holds the serialized program
-(``translate.jax``), the parameters (``params.npz``, names = ``/``-joined paths), the vocabulary
-files, ``manifest.json`` and ``runtime.py`` (a copy of ``serving_runtime``), which loads it all
-with jax, numpy and sentencepiece alone: no flaxformer_lite, flax or optax at serving time.
+``source.spm``, ``target.spm``, ``vocab.json``), decoded as ``MarianMTModel.generate`` decodes
+with the folder's generation defaults (:func:`hf_decoding_options`). The output folder holds
+the serialized program (``translate.jax``), the parameters (``params.npz``, names =
+``/``-joined paths), the vocabulary files, ``manifest.json`` and ``runtime.py`` (a copy of
+``serving_runtime``), which loads it all with jax, numpy and sentencepiece alone: no
+flaxformer_lite, flax or optax at serving time.
 
 The program is ``generate_jit`` itself (encoder once, then the cached greedy or beam search of
 ``decoding``) traced once with a symbolic batch size and source length
@@ -26,7 +28,7 @@ import argparse
 import json
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,12 +93,15 @@ def export_function(
     alpha: float = 0.6,
     max_len: int | None = None,
     platforms: Sequence[str] | None = None,
+    decoding: Mapping[str, Any] | None = None,
 ) -> jax.export.Exported:
     """``generate_jit`` for ``config`` exported with a symbolic batch and source length.
 
     The result maps ``(params, source_ids int32 [b, s], row_max_len int32 [b])`` to
     ``(tokens int32 [b, max_len], scores float32 [b])`` for any ``b >= 1`` and
     ``1 <= s <= config.max_len``; ``params`` are only read for their shapes and dtypes.
+    ``decoding``: further static options of ``generate_jit`` (``beam_style``,
+    ``early_stopping``, ``forced_eos``, ``banned_ids``), e.g. :func:`hf_decoding_options`.
 
     Raises:
       ValueError: ``method`` not one of ``EXPORT_METHODS``, a ``beam_size`` that is not a
@@ -107,6 +112,9 @@ def export_function(
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size must be a positive int; got {beam_size!r}")
     max_len = check_decode_len(config, max_len)
+    decoding = dict(decoding or {})
+    if "banned_ids" in decoding:  # a static argument: hashable
+        decoding["banned_ids"] = tuple(int(i) for i in decoding["banned_ids"])
     if method == "greedy":  # options the method ignores: fixed, as Translator fixes them
         beam_size, alpha = 1, 0.0
     mesh = _one_device_mesh()
@@ -122,6 +130,7 @@ def export_function(
             beam_size=beam_size,
             alpha=float(alpha),
             row_max_len=row_max_len,
+            **decoding,
         )
 
     batch, source_len = jax.export.symbolic_shape("b, s", constraints=(f"s <= {config.max_len}",))
@@ -159,6 +168,7 @@ def export_model(
     max_len: int | None = None,
     batch_size: int = 8,
     platforms: Sequence[str] | None = None,
+    decoding: Mapping[str, Any] | None = None,
     source: str = "",
 ) -> dict[str, Any]:
     """Writes the serving artifact of an EncoderDecoder to the local folder ``out_dir``.
@@ -167,7 +177,7 @@ def export_model(
       params: unboxed, unrolled parameters (``Translator.params`` or ``hf.load_pretrained``'s).
       config: their TransformerConfig.
       vocabulary_dir: where the vocabulary files are (see :func:`vocabulary_files`).
-      method, beam_size, alpha, max_len, platforms: as :func:`export_function`.
+      method, beam_size, alpha, max_len, platforms, decoding: as :func:`export_function`.
       batch_size: the rows per call ``runtime.translate`` pads to (one compiled shape).
       source: where the model came from, for the manifest.
 
@@ -190,6 +200,7 @@ def export_model(
         alpha=alpha,
         max_len=max_len,
         platforms=platforms,
+        decoding=decoding,
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -205,6 +216,9 @@ def export_model(
         "method": method,
         "beam_size": beam_size if method == "beam" else 1,
         "alpha": float(alpha) if method == "beam" else 0.0,
+        "decoding": {
+            k: list(v) if isinstance(v, tuple) else v for k, v in (decoding or {}).items()
+        },
         "max_len": check_decode_len(config, max_len),
         "max_source_len": config.max_len,
         "batch_size": batch_size,
@@ -241,13 +255,39 @@ def export_translator(
     return export_model(params, translator.config, out_dir, vocabulary_dir, **options)
 
 
+def hf_decoding_options(root: Any) -> dict[str, Any]:
+    """``generate`` options that decode as ``MarianMTModel.generate`` with the defaults of the
+    Hugging Face folder ``root``: Hugging Face's beam rules (``beam_style="hf"``, ``alpha`` =
+    ``length_penalty``, ``early_stopping``), ``forced_eos`` when it sets
+    ``forced_eos_token_id``, ``banned_ids`` = its single-token ``bad_words_ids``, and
+    ``beam_size`` = ``num_beams`` (4 when unset)."""
+    defaults = hf.generation_defaults(str(root))
+    forced = None
+    for name in ("config.json", "generation_config.json"):  # the latter wins
+        if (root / name).is_file():
+            forced = json.loads((root / name).read_text()).get("forced_eos_token_id", forced)
+    return {
+        "beam_size": int(defaults.get("num_beams", 4)),
+        "alpha": float(defaults.get("length_penalty", 1.0)),
+        "decoding": {
+            "beam_style": "hf",
+            "early_stopping": defaults.get("early_stopping", False),
+            "forced_eos": forced is not None,
+            "banned_ids": tuple(
+                ids[0] for ids in defaults.get("bad_words_ids", []) if len(ids) == 1
+            ),
+        },
+    }
+
+
 def _is_hf_dir(root: Any) -> bool:
     return (root / "config.json").is_file() and not (root / "model_config.json").is_file()
 
 
 def export_workdir(workdir: str, out_dir: str, **options: Any) -> dict[str, Any]:
     """:func:`export_model` of a ``train.py`` workdir (latest checkpoint, its beam size and
-    alpha) or of a Hugging Face Marian folder (``num_beams`` of its generation defaults).
+    alpha) or of a Hugging Face Marian folder (decoding as ``MarianMTModel.generate`` with the
+    folder's defaults: :func:`hf_decoding_options`; explicit ``options`` win).
 
     Raises:
       FileNotFoundError: ``workdir`` does not exist, or lacks the model, weights or
@@ -270,8 +310,8 @@ def export_workdir(workdir: str, out_dir: str, **options: Any) -> dict[str, Any]
     vocab = json.loads((root / MARIAN["vocab"]).read_text())
     config = hf.config_from_hf(hf_config, unk_id=int(vocab.get("<unk>", 1)))
     params = hf.params_from_state_dict(hf.read_state_dict(root), config)
-    defaults = hf.generation_defaults(str(root))
-    options.setdefault("beam_size", int(defaults.get("num_beams", 4)))
+    for name, value in hf_decoding_options(root).items():
+        options.setdefault(name, value)
     options.setdefault("source", str(root))
     return export_model(params, config, out_dir, workdir, **options)
 

@@ -294,7 +294,7 @@ def marian_dir(root: Path, spm_model: Path, seed: int = 0) -> tuple[Path, int]:
         pad_token_id=size - 1,
         decoder_start_token_id=size - 1,
         eos_token_id=0,
-        forced_eos_token_id=None,
+        forced_eos_token_id=0,  # opus-mt's generation defaults: the export must follow them
         dropout=0.0,
         attention_dropout=0.0,
     )
@@ -313,6 +313,9 @@ def marian_dir(root: Path, spm_model: Path, seed: int = 0) -> tuple[Path, int]:
         bias[0, 0] += 3.0  # EOS: some rows stop early
         model.final_logits_bias.copy_(bias)
     model.save_pretrained(str(root))
+    generation = json.loads((root / "generation_config.json").read_text())
+    generation["bad_words_ids"] = [[size - 1]]  # as opus-mt folders have it: never <pad>
+    (root / "generation_config.json").write_text(json.dumps(generation))
     for name in ("source.spm", "target.spm"):
         (root / name).write_bytes(spm_model.read_bytes())
     (root / "vocab.json").write_text(json.dumps(vocab))
@@ -329,6 +332,12 @@ def test_marian_folder_exports_and_matches_hugging_face(model, tmp_path):
     assert export.main([*argv, "--max-len", str(HF_MAX_LEN)]) == 0
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["vocabulary"] == "marian" and manifest["ids"]["eos"] == 0
+    assert manifest["decoding"] == {
+        "beam_style": "hf",
+        "early_stopping": False,
+        "forced_eos": True,
+        "banned_ids": [manifest["ids"]["pad"]],
+    }
 
     tokenizer = transformers.MarianTokenizer(
         source_spm=str(hf_dir / "source.spm"),
@@ -346,9 +355,7 @@ def test_marian_folder_exports_and_matches_hugging_face(model, tmp_path):
             do_sample=False,
             max_new_tokens=HF_MAX_LEN,
             min_length=0,
-            forced_eos_token_id=None,
-            bad_words_ids=None,
-        ).numpy()
+        ).numpy()  # the folder's forced_eos_token_id and bad_words_ids apply
     pad = manifest["ids"]["pad"]
     hf_tokens = np.full((len(texts), HF_MAX_LEN), pad, np.int64)
     hf_tokens[:, : hf_out.shape[1] - 1] = hf_out[:, 1:]  # without the decoder start
@@ -361,8 +368,10 @@ def test_marian_folder_exports_and_matches_hugging_face(model, tmp_path):
     assert any(unk in ids for ids in expected_ids if ids)  # ">>de<<" and "▁d" are unknown
     np.testing.assert_array_equal(result["tokens"]["hf"], hf_tokens)
     assert len({tuple(row) for row in hf_tokens.tolist()}) >= 3
-    ended = (hf_tokens == manifest["ids"]["eos"]).any(axis=1)
-    assert 0 < ended.sum() < len(texts)  # both ways of stopping: EOS and the length limit
+    # Both ways of stopping: EOS chosen early, and EOS forced at the limit.
+    early = (hf_tokens[:, :-1] == manifest["ids"]["eos"]).any(axis=1)
+    assert 0 < early.sum() < len(texts)
+    assert (hf_tokens[~early, -1] == manifest["ids"]["eos"]).all()
     hf_strings = tokenizer.batch_decode(hf_out, skip_special_tokens=True)
     print("hf strings", hf_strings, "tokens", hf_tokens.tolist())
     assert sum(bool(s) for s in hf_strings) >= 3
