@@ -121,6 +121,11 @@ SEQ2SEQ = {
         eos_id=0,
         unk_id=1,
     ),
+    # Restricted attention: r = 2 keys on each side (encoder), a sliding window (decoder).
+    "window_both": TINY.replace(attention_window=2),
+    "window_encoder_blockwise": TINY.replace(
+        attention_window=3, attention_window_layers="encoder", attention_implementation="blockwise"
+    ),
 }
 
 
@@ -146,6 +151,12 @@ DECODER_ONLY = {
     "rotary_geglu_mqa_fused": TINY.replace(
         position="rotary", activation="geglu", num_kv_heads=1, fused_qkv=True
     ),
+    "window_rotary_blockwise": TINY.replace(
+        attention_window=3, position="rotary", attention_implementation="blockwise"
+    ),
+    "window_encoder_only_leaves_decoder_full": TINY.replace(
+        attention_window=2, attention_window_layers="encoder"
+    ),
 }
 
 
@@ -168,6 +179,7 @@ CLASSIFIER = {
     ),
     "post_rotary_first": TINY.replace(position="rotary", pooling="first"),
     "post_attention_pooling": TINY.replace(pooling="attention"),
+    "window_mean": TINY.replace(attention_window=2),
 }
 
 
