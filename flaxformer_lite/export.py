@@ -65,7 +65,8 @@ def flatten_params(params: Any) -> dict[str, np.ndarray]:
 
 def vocabulary_files(directory: str) -> tuple[str, dict[str, str]]:
     """(kind, {role: file name}) of the vocabulary in ``directory``: "spm" for a ``train.py``
-    workdir's SentencePiece model(s), "marian" for a Hugging Face Marian folder.
+    workdir's SentencePiece model(s), "marian" for a Hugging Face Marian folder (with
+    ``target_vocab`` when its ``tokenizer_config.json`` says ``separate_vocabs``).
 
     Raises:
       FileNotFoundError: none of the layouts is complete (the expected names are listed).
@@ -73,7 +74,12 @@ def vocabulary_files(directory: str) -> tuple[str, dict[str, str]]:
     root = paths.resolve(directory)
     for kind, files in (("spm", SPM_SHARED), ("spm", SPM_SEPARATE), ("marian", MARIAN)):
         if all((root / name).is_file() for name in files.values()):
-            return kind, dict(files)
+            files = dict(files)
+            tokenizer_config = root / "tokenizer_config.json"
+            if kind == "marian" and tokenizer_config.is_file():
+                if json.loads(tokenizer_config.read_text()).get("separate_vocabs"):
+                    files["target_vocab"] = "target_vocab.json"  # the target side's ids
+            return kind, files
     raise FileNotFoundError(
         f"no exportable vocabulary in {directory}: expected spm_shared.model, spm_src.model + "
         "spm_tgt.model (train.py workdir) or source.spm + target.spm + vocab.json (Marian)"
@@ -304,12 +310,7 @@ def export_workdir(workdir: str, out_dir: str, **options: Any) -> dict[str, Any]
         translator = Translator.from_workdir(workdir)
         return export_translator(translator, out_dir, workdir, **options)
     vocabulary_files(workdir)  # before the weights are read
-    # hf.load_pretrained without the tokenizer object: the artifact carries the files and
-    # the runtime maps pieces itself.
-    hf_config = json.loads((root / "config.json").read_text())
-    vocab = json.loads((root / MARIAN["vocab"]).read_text())
-    config = hf.config_from_hf(hf_config, unk_id=int(vocab.get("<unk>", 1)))
-    params = hf.params_from_state_dict(hf.read_state_dict(root), config)
+    config, params, _ = hf.load_pretrained(workdir)  # the runtime maps pieces itself
     for name, value in hf_decoding_options(root).items():
         options.setdefault(name, value)
     options.setdefault("source", str(root))

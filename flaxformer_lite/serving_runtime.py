@@ -70,11 +70,21 @@ class MarianVocabulary:
 
     ``encode``: an optional leading language code (``>>de<<``) is kept as one token, the rest
     split into pieces by ``spm_path``, and each token is looked up in ``vocab`` (``unk_id``
-    when absent). ``decode``: ids -> pieces (``special_ids`` dropped) -> the joined text.
+    when absent). ``decode``: ids -> pieces (``special_ids`` dropped) -> the text, joined by
+    ``join_path`` (None: ``spm_path``), as ``MarianTokenizer`` joins target pieces with the
+    source model unless the vocabularies are separate.
     """
 
-    def __init__(self, spm_path: str, vocab: dict[str, int], unk_id: int, special_ids) -> None:
+    def __init__(
+        self,
+        spm_path: str,
+        vocab: dict[str, int],
+        unk_id: int,
+        special_ids: Sequence[int],
+        join_path: str | None = None,
+    ) -> None:
         self.processor = _processor(spm_path)
+        self.joiner = self.processor if join_path is None else _processor(join_path)
         self.vocab = vocab
         self.pieces = {i: piece for piece, i in vocab.items()}
         self.unk_id = unk_id
@@ -88,7 +98,7 @@ class MarianVocabulary:
 
     def decode(self, ids: Sequence[int]) -> str:
         pieces = [self.pieces[i] for i in ids if i not in self.special_ids and i in self.pieces]
-        return self.processor.decode_pieces(pieces).replace("\u2581", " ").strip()
+        return self.joiner.decode_pieces(pieces).replace("\u2581", " ").strip()
 
 
 def load_vocabularies(root: str, manifest: dict[str, Any]) -> tuple[Any, Any]:
@@ -99,13 +109,27 @@ def load_vocabularies(root: str, manifest: dict[str, Any]) -> tuple[Any, Any]:
         same = files["target"] == files["source"]
         return source, source if same else SpmVocabulary(os.path.join(root, files["target"]))
     if manifest["vocabulary"] == "marian":
-        with open(os.path.join(root, files["vocab"]), encoding="utf-8") as f:
-            vocab = json.load(f)
+        vocabs = {}
+        for role in ("vocab", "target_vocab"):
+            if role in files:
+                with open(os.path.join(root, files[role]), encoding="utf-8") as f:
+                    vocabs[role] = json.load(f)
+        separate = "target_vocab" in vocabs
         ids = manifest["ids"]
         special = (ids["pad"], ids["eos"], ids["unk"])
+        source_spm = os.path.join(root, files["source"])
+        target_vocab = vocabs["target_vocab" if separate else "vocab"]
         return (
-            MarianVocabulary(os.path.join(root, files["source"]), vocab, ids["unk"], special),
-            MarianVocabulary(os.path.join(root, files["target"]), vocab, ids["unk"], special),
+            MarianVocabulary(
+                source_spm, vocabs["vocab"], vocabs["vocab"].get("<unk>", ids["unk"]), special
+            ),
+            MarianVocabulary(
+                os.path.join(root, files["target"]),
+                target_vocab,
+                target_vocab.get("<unk>", ids["unk"]),
+                special,
+                join_path=None if separate else source_spm,
+            ),
         )
     raise ValueError(
         f"manifest vocabulary must be 'spm' or 'marian'; got {manifest['vocabulary']!r}"
