@@ -611,14 +611,20 @@ class EncoderLayer(nn.Module):
     moe: bool = False
 
     @nn.compact
-    def __call__(self, x: Array, mask: Any, positions: Array | None = None) -> Array:
+    def __call__(
+        self, x: Array, mask: Any, positions: Array | None = None, bias: Array | None = None
+    ) -> Array:
+        """bias: added to the self-attention logits, `[batch|1, heads, len, len]` (the stack's
+        relative position bias)."""
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
         attn = _attention(cfg, "self_attention")
 
         def self_attention(h: Array) -> Array:
-            return attn(h, None, mask, positions_q=positions, deterministic=self.deterministic)
+            return attn(
+                h, None, mask, bias, positions_q=positions, deterministic=self.deterministic
+            )
 
         x = residual(x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw)
         valid = getattr(mask, "query_valid", None)
@@ -652,7 +658,10 @@ class DecoderLayer(nn.Module):
         self_mask: Any,
         cross_mask: Any,
         positions: Array | None = None,
+        bias: Array | None = None,
     ) -> Array:
+        """bias: added to the self-attention logits, `[batch|1, heads, len, kv_len]` (the
+        stack's relative position bias; with ``decode=True`` kv_len is the cache length)."""
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
@@ -663,6 +672,7 @@ class DecoderLayer(nn.Module):
                 h,
                 None,
                 self_mask,
+                bias,
                 positions_q=positions,
                 deterministic=self.deterministic,
                 decode=self.decode,

@@ -37,6 +37,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from flaxformer_lite import positions as pos_lib
 from flaxformer_lite.config import TransformerConfig
@@ -257,11 +258,16 @@ class Encoder(nn.Module):
             query_segment_ids=inputs_segmentation,
             key_segment_ids=inputs_segmentation,
         )
+        shared = [mask, positions]
+        if cfg.position == "relative":
+            # One table for the stack; unpacked rows share one `[1, heads, s, s]` bias.
+            at = positions if inputs_positions is not None else positions[:1]
+            shared.append(_relative_bias(cfg, bidirectional=True)(at, at))
         x = layer_stack(
             lambda name, i: EncoderLayer(
                 cfg, deterministic=deterministic, moe=cfg.is_moe_layer(i), name=name
             ),
-            cfg, cfg.num_encoder_layers, x, mask, positions,
+            cfg, cfg.num_encoder_layers, x, *shared,
         )  # fmt: skip
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
@@ -278,6 +284,19 @@ class Decoder(nn.Module):
     config: TransformerConfig
     embedding: Embed
     cross_attention: bool = True
+
+    def _cache_length(self, new_positions: int) -> int:
+        """Slots of the self-attention key/value caches: their length in the "cache"
+        collection, or ``new_positions`` on the call that allocates them."""
+        cache = self.variables.get("cache", {})
+        lengths = {
+            leaf.shape[1]
+            for path, leaf in traverse_util.flatten_dict(cache).items()
+            if path[-1] == "cached_key"
+        }
+        if len(lengths) > 1:
+            raise ValueError(f"the decoder's key/value caches differ in length: {lengths}")
+        return lengths.pop() if lengths else new_positions
 
     @nn.compact
     def __call__(
@@ -340,6 +359,16 @@ class Decoder(nn.Module):
                 decoder_inputs, positions, deterministic=deterministic
             )
         )
+        shared = [encoded, self_mask, cross_mask, positions]
+        if cfg.position == "relative":
+            # Causal buckets, one table for the stack. Decoding: the new positions against
+            # every cache slot (the causal mask hides the slots not written yet).
+            if decode:
+                query_at = positions[:1]
+                key_at = jnp.arange(self._cache_length(decoder_inputs.shape[1]))[None]
+            else:
+                query_at = key_at = positions if decoder_positions is not None else positions[:1]
+            shared.append(_relative_bias(cfg, bidirectional=False)(query_at, key_at))
         x = layer_stack(
             lambda name, i: DecoderLayer(
                 cfg,
@@ -350,7 +379,7 @@ class Decoder(nn.Module):
                 moe=cfg.is_moe_layer(i),
                 name=name,
             ),
-            cfg, cfg.num_decoder_layers, x, encoded, self_mask, cross_mask, positions,
+            cfg, cfg.num_decoder_layers, x, *shared,
         )  # fmt: skip
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
@@ -377,6 +406,18 @@ class Decoder(nn.Module):
             )
             logits = logits + jnp.asarray(bias, jnp.float32)
         return logits
+
+
+def _relative_bias(config: TransformerConfig, *, bidirectional: bool) -> nn.Module:
+    """The stack's T5 relative position bias (``position="relative"``), shared by its layers."""
+    return pos_lib.RelativePositionBias(
+        num_heads=config.num_heads,
+        num_buckets=config.relative_num_buckets,
+        max_distance=config.relative_max_distance,
+        bidirectional=bidirectional,
+        param_dtype=config.parameter_dtype,
+        name="relative_bias",
+    )
 
 
 def _embedding(config: TransformerConfig, vocab_size: int, name: str) -> Embed:
