@@ -121,6 +121,9 @@ SEQ2SEQ = {
         eos_id=0,
         unk_id=1,
     ),
+    # T5's relative position bias: 8 buckets, max distance 7 (no distance lands on an exact
+    # bucket boundary, where float64 rounding in the reference could flip a bucket).
+    "relative": TINY.replace(position="relative", relative_num_buckets=8, relative_max_distance=7),
 }
 
 
@@ -146,6 +149,13 @@ DECODER_ONLY = {
     "rotary_geglu_mqa_fused": TINY.replace(
         position="rotary", activation="geglu", num_kv_heads=1, fused_qkv=True
     ),
+    "relative_pre_scan": TINY.replace(
+        position="relative",
+        relative_num_buckets=8,
+        relative_max_distance=10,
+        norm_position="pre",
+        scan_layers=True,
+    ),
 }
 
 
@@ -168,6 +178,9 @@ CLASSIFIER = {
     ),
     "post_rotary_first": TINY.replace(position="rotary", pooling="first"),
     "post_attention_pooling": TINY.replace(pooling="attention"),
+    "relative_mean": TINY.replace(
+        position="relative", relative_num_buckets=8, relative_max_distance=7
+    ),
 }
 
 
