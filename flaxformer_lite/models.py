@@ -41,7 +41,13 @@ from flax import traverse_util
 
 from flaxformer_lite import positions as pos_lib
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.layers import DecoderLayer, Embed, EncoderLayer, make_norm
+from flaxformer_lite.layers import (
+    DecoderLayer,
+    Embed,
+    EncoderLayer,
+    make_norm,
+    ring_key_positions,
+)
 from flaxformer_lite.masks import AttentionMask
 
 Array = jax.Array
@@ -257,6 +263,7 @@ class Encoder(nn.Module):
             key_valid=real,
             query_segment_ids=inputs_segmentation,
             key_segment_ids=inputs_segmentation,
+            window=cfg.self_attention_window("encoder"),
         )
         shared = [mask, positions]
         if cfg.position == "relative":
@@ -344,6 +351,7 @@ class Decoder(nn.Module):
                 causal=True,
                 query_segment_ids=targets_segmentation,
                 key_segment_ids=targets_segmentation,
+                window=cfg.self_attention_window("decoder"),
             )
         cross_mask = None
         if self.cross_attention:
@@ -365,7 +373,13 @@ class Decoder(nn.Module):
             # every cache slot (the causal mask hides the slots not written yet).
             if decode:
                 query_at = positions[:1]
-                key_at = jnp.arange(self._cache_length(decoder_inputs.shape[1]))[None]
+                length = self._cache_length(decoder_inputs.shape[1])
+                window = cfg.self_attention_window("decoder")
+                if initialized and window == length and decoder_inputs.shape[1]:
+                    # a sliding-window ring buffer: its slots, then the new positions
+                    key_at = ring_key_positions(positions[0], window)[None]
+                else:
+                    key_at = jnp.arange(length)[None]
             else:
                 query_at = key_at = positions if decoder_positions is not None else positions[:1]
             shared.append(_relative_bias(cfg, bidirectional=False)(query_at, key_at))

@@ -10,6 +10,8 @@ papers: gated FFNs act(xW) * (xV) W2 (Shazeer 2020, GELU in its tanh form as in 
 RMSNorm (Zhang & Sennrich 2019), rotary embeddings (RoFormer, Su et al. 2021), T5's bucketed
 relative position bias (Raffel et al. 2020) and grouped-query attention (Ainslie et al. 2023:
 query head h reads key/value head h // (heads / kv_heads)).
+Restricted self-attention (the paper's Table 1, neighbourhood r = ``attention_window``): query i
+sees keys j with |i - j| <= r, in the stacks ``attention_window_layers`` names.
 
 Nothing here imports flaxformer_lite or jax. The inputs are a nested mapping of parameters (the
 ``params`` collection; leaves may be boxed, anything with ``.value``), the config (read only
@@ -284,10 +286,19 @@ def _positions(tokens: np.ndarray) -> np.ndarray:
     return np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
 
 
+def _window(cfg: Any, stack: str, n: int) -> np.ndarray:
+    """bool `[1, n, n]`: |i - j| <= r where ``stack``'s self-attention is restricted, else all."""
+    r = getattr(cfg, "attention_window", None)
+    if r is None or getattr(cfg, "attention_window_layers", "both") not in ("both", stack):
+        return np.ones((1, n, n), bool)
+    i = np.arange(n)
+    return (np.abs(i[:, None] - i[None, :]) <= r)[None]
+
+
 def encoder(cfg: Any, p: Params, table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """int `[b, s]` -> `[b, s, d_model]`; padding keys are masked out."""
     real = tokens != cfg.pad_id
-    allowed = real[:, None, :] & real[:, :, None]
+    allowed = real[:, None, :] & real[:, :, None] & _window(cfg, "encoder", tokens.shape[1])
     rot = _positions(tokens) if cfg.position == "rotary" else None
     bias = None
     if cfg.position == "relative":  # one table for the whole stack, both directions
@@ -320,7 +331,7 @@ def decoder(
     `[b, s]`) -> final hidden states `[b, t, d_model]`. Self-attention is causal (which alone
     keeps real positions off padding); encoder-decoder attention skips padded source positions."""
     n = decoder_inputs.shape[1]
-    causal = np.tril(np.ones((n, n), bool))[None]
+    causal = np.tril(np.ones((n, n), bool))[None] & _window(cfg, "decoder", n)
     # Causal only: every key at or before a real position is real (or the decoder-start token,
     # which Marian makes the pad id), as in Hugging Face's decoders.
     self_allowed = np.broadcast_to(causal, (decoder_inputs.shape[0], n, n))

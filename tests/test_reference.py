@@ -124,6 +124,11 @@ SEQ2SEQ = {
     # T5's relative position bias: 8 buckets, max distance 7 (no distance lands on an exact
     # bucket boundary, where float64 rounding in the reference could flip a bucket).
     "relative": TINY.replace(position="relative", relative_num_buckets=8, relative_max_distance=7),
+    # Restricted attention: r = 2 keys on each side (encoder), a sliding window (decoder).
+    "window_both": TINY.replace(attention_window=2),
+    "window_encoder_blockwise": TINY.replace(
+        attention_window=3, attention_window_layers="encoder", attention_implementation="blockwise"
+    ),
 }
 
 
@@ -156,6 +161,12 @@ DECODER_ONLY = {
         norm_position="pre",
         scan_layers=True,
     ),
+    "window_rotary_blockwise": TINY.replace(
+        attention_window=3, position="rotary", attention_implementation="blockwise"
+    ),
+    "window_encoder_only_leaves_decoder_full": TINY.replace(
+        attention_window=2, attention_window_layers="encoder"
+    ),
 }
 
 
@@ -181,6 +192,7 @@ CLASSIFIER = {
     "relative_mean": TINY.replace(
         position="relative", relative_num_buckets=8, relative_max_distance=7
     ),
+    "window_mean": TINY.replace(attention_window=2),
 }
 
 

@@ -130,23 +130,28 @@ def tokens(rng: np.random.Generator, lengths, width: int, vocab: int) -> np.ndar
     return t
 
 
+def scaled_tables(params):
+    """The tables start at N(0, 0.02): scaled up 50x so that the bias matters in every test."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: p * 50.0 if "relative_bias" in jax.tree_util.keystr(path) else p, params
+    )
+
+
 @functools.cache
 def seq2seq(cfg: TransformerConfig = TINY):
     """(model, params, jitted apply) of an EncoderDecoder, built once per config."""
     model = EncoderDecoder(cfg)
     x, y = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
-    params = nn.meta.unbox(model.init(jax.random.key(0), x, y)["params"])
-    # The tables start at N(0, 0.02): scale them up so that the bias matters in every test.
-    params = jax.tree_util.tree_map_with_path(
-        lambda path, p: p * 50.0 if "relative_bias" in jax.tree_util.keystr(path) else p, params
-    )
+    params = scaled_tables(nn.meta.unbox(model.init(jax.random.key(0), x, y)["params"]))
     return model, params, jax.jit(model.apply)
 
 
 @functools.cache
 def decoder_only(cfg: TransformerConfig = TINY):
     model = DecoderOnly(cfg)
-    params = nn.meta.unbox(model.init(jax.random.key(1), jnp.ones((1, 4), jnp.int32))["params"])
+    params = scaled_tables(
+        nn.meta.unbox(model.init(jax.random.key(1), jnp.ones((1, 4), jnp.int32))["params"])
+    )
     return model, params, jax.jit(model.apply)
 
 
@@ -223,6 +228,17 @@ def test_cached_decoding_equals_full_forward_decoder_only():
     t = tokens(np.random.default_rng(3), (12, 12), 12, 40)
     full = np.asarray(apply({"params": params}, t))
     cached = _step_by_step(model, params, shift_right(jnp.asarray(t), TINY.bos_id), (1,) * 12)
+    assert np.abs(cached - full).max() < ATOL
+
+
+def test_cached_sliding_window_decoding_equals_full_forward():
+    """With a decoder attention_window the cache is a ring buffer of ``window`` slots; the bias
+    follows the positions the slots hold (a prompt chunk, then steps past the window)."""
+    cfg = TINY.replace(attention_window=3)
+    model, params, apply = decoder_only(cfg)
+    t = tokens(np.random.default_rng(7), (12, 12), 12, 40)
+    full = np.asarray(apply({"params": params}, t))
+    cached = _step_by_step(model, params, shift_right(jnp.asarray(t), cfg.bos_id), (2,) + (1,) * 10)
     assert np.abs(cached - full).max() < ATOL
 
 
