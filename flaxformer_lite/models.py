@@ -24,6 +24,10 @@ With ``config.scan_layers`` each layer stack is one ``nn.scan`` over a layer: pa
 into the second; cached decoding (``decode=True``) runs on the unrolled one (``unrolled`` gives
 its parameters and config).
 
+With ``position="relative"`` each stack owns T5's bias table (``encoder/relative_bias`` and
+``decoder/relative_bias``, `[num_buckets, heads]`, outside the scanned layers): the stack computes
+the bias once and every layer's self-attention adds it to its logits.
+
 Attention weights are sown into the "intermediates" collection by every attention layer when
 the caller makes it mutable; ``attention_weights_per_layer`` lists them per layer.
 """
@@ -267,8 +271,10 @@ class Encoder(nn.Module):
         )
         shared = [mask, positions]
         if cfg.position == "relative":
-            # One table for the stack; unpacked rows share one `[1, heads, s, s]` bias.
-            at = positions if inputs_positions is not None else positions[:1]
+            # One table for the stack and one `[1, heads, s, s]` bias for every row: it depends
+            # on index differences only, which equal position differences inside a packed
+            # segment (positions count up from 0 in each), and pairs across segments are masked.
+            at = _default_positions(inputs)[:1]
             shared.append(_relative_bias(cfg, bidirectional=True)(at, at))
         x = layer_stack(
             lambda name, i: EncoderLayer(
@@ -381,7 +387,7 @@ class Decoder(nn.Module):
                 else:
                     key_at = jnp.arange(length)[None]
             else:
-                query_at = key_at = positions if decoder_positions is not None else positions[:1]
+                query_at = key_at = _default_positions(decoder_inputs)[:1]  # as in the encoder
             shared.append(_relative_bias(cfg, bidirectional=False)(query_at, key_at))
         x = layer_stack(
             lambda name, i: DecoderLayer(

@@ -191,6 +191,40 @@ def test_padding_does_not_change_real_outputs():
     assert np.abs(long[:, :7] - short)[real].max() < ATOL
 
 
+def test_packed_rows_equal_separate_examples():
+    """Two examples packed in one row (positions restarting at 0, segment ids) give the logits
+    each gets alone: the bias depends on distances only, the same inside a segment as alone,
+    and pairs across segments are masked."""
+    _, params, apply = seq2seq()
+    rng = np.random.default_rng(8)
+    src = [rng.integers(3, 40, n).astype(np.int32) for n in (5, 4)]
+    tgt = [rng.integers(3, 40, n).astype(np.int32) for n in (4, 3)]
+
+    def pack(parts, width):
+        row = np.zeros((1, width), np.int32)
+        seg, pos = np.zeros_like(row), np.zeros_like(row)
+        start = 0
+        for i, part in enumerate(parts):
+            row[0, start : start + len(part)] = part
+            seg[0, start : start + len(part)] = i + 1
+            pos[0, start : start + len(part)] = np.arange(len(part))
+            start += len(part)
+        return row, seg, pos
+
+    (x, xs, xp), (y, ys, yp) = pack(src, 10), pack(tgt, 8)
+    packed = np.asarray(
+        apply(
+            {"params": params}, x, y, inputs_positions=xp, targets_positions=yp,
+            inputs_segmentation=xs, targets_segmentation=ys,
+        )
+    )  # fmt: skip
+    start = 0
+    for s_, t_ in zip(src, tgt, strict=True):
+        alone = np.asarray(apply({"params": params}, s_[None], t_[None]))
+        assert np.abs(packed[0, start : start + len(t_)] - alone[0]).max() < ATOL
+        start += len(t_)
+
+
 def _step_by_step(model, params, step_inputs, chunks, *context):
     """Logits of ``step_inputs`` `[b, t]` fed to the cache in ``chunks`` (lengths summing to
     t), after an allocation call of the full width."""
