@@ -32,7 +32,6 @@ from flaxformer_lite.inference import Translator  # noqa: E402
 from flaxformer_lite.marian_tokenizer import MarianTokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 EN = "the a dog cat man woman child runs walks sees big small red old house park".split()
 DE = "der die Hund Katze Mann Frau Kind läuft geht sieht groß klein rot alt Haus Park".split()
 
@@ -47,9 +46,9 @@ def generated_pairs(n: int, seed: int) -> list[tuple[str, str]]:
     return out
 
 
-def multi30k_pairs(split: str, n: int) -> list[tuple[str, str]]:
-    en = (MULTI30K / f"{split}.en").read_text().splitlines()[:n]
-    de = (MULTI30K / f"{split}.de").read_text().splitlines()[:n]
+def multi30k_pairs(folder: Path, split: str, n: int) -> list[tuple[str, str]]:
+    en = (folder / f"{split}.en").read_text().splitlines()[:n]
+    de = (folder / f"{split}.de").read_text().splitlines()[:n]
     return list(zip(en, de, strict=True))
 
 
@@ -289,11 +288,12 @@ def test_translator_and_export_of_the_fine_tuned_run(generated_run, tmp_path):
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5)
 
 
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason=f"no Multi30k sample at {MULTI30K}")
-def test_finetuning_on_the_multi30k_sample_lowers_its_loss(tmp_path):
+def test_finetuning_on_the_multi30k_sample_lowers_its_loss(shared_data, tmp_path):
+    """../shared/data/multi30k (skipped with a reason when absent, see conftest.shared_data)."""
+    m30k = shared_data / "multi30k"
     data = tmp_path / "data"
-    write_data(data, multi30k_pairs("train", 600), multi30k_pairs("val", 64))
-    texts = [t for pair in multi30k_pairs("train", 2000) for t in pair]
+    write_data(data, multi30k_pairs(m30k, "train", 600), multi30k_pairs(m30k, "val", 64))
+    texts = [t for pair in multi30k_pairs(m30k, "train", 2000) for t in pair]
     pretrained = pretrained_folder(tmp_path / "pretrained", texts)
     config = finetune_config(pretrained, data, 30)
     workdir = tmp_path / "run"

@@ -212,6 +212,22 @@ def test_every_shipped_config_passes_and_every_key_is_known():
     for name in CONFIGS:
         config = load_config(name)
         assert set(preflight.COMMON_KEYS) <= set(config.keys()), name
+        if name == "finetune_marian":  # needs the pretrained model, and says so
+            with pytest.raises(ConfigError, match="give --config.init_from=DIR_OR_HUB_ID"):
+                preflight.check_config(config, device_count=jax.device_count())
+            config.init_from = "Helsinki-NLP/opus-mt-en-de"
+            assert config.tokenizer == config.init_from  # the tokenizer follows it
+        preflight.check_config(config, device_count=jax.device_count())
+
+
+def test_init_from_and_freeze_are_checked_before_any_work(tmp_path):
+    config = load_config("finetune_marian")
+    config.init_from = str(tmp_path / "no" / "such" / "folder")
+    with pytest.raises(ConfigError, match="config.init_from=.* is not a folder"):
+        preflight.check_config(config, device_count=jax.device_count())
+    config.init_from = "Helsinki-NLP/opus-mt-en-de"
+    config.freeze = ("encoder/(",)
+    with pytest.raises(ConfigError, match=r"config.freeze pattern 'encoder/\(' is not a regex"):
         preflight.check_config(config, device_count=jax.device_count())
 
 
