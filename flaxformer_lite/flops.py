@@ -3,7 +3,7 @@
 MFU = model FLOPs per second / peak matmul FLOPs per second of the same machine, where the model
 FLOPs count 2*m*n*k for every matrix product of the forward pass and forward + backward = 3 x
 forward. Per layer on ``n`` query and ``m`` key positions, with ``h`` query heads, ``kv`` key/value
-heads of width ``hd`` (``config.head_dim``) and model width ``d``:
+heads of width ``hd`` (``config.effective_head_dim``) and model width ``d``:
 
   query and output projections   2 * n * d * (h * hd)        each
   key and value projections      2 * m * d * (kv * hd)       each (multi-/grouped-query: kv < h)
@@ -32,7 +32,7 @@ from flaxformer_lite.config import TransformerConfig
 
 def _attention_flops(config: TransformerConfig, n: int, m: int) -> int:
     """One attention layer: ``n`` queries over ``m`` keys/values (projections included)."""
-    d, hd = config.d_model, config.head_dim
+    d, hd = config.d_model, config.effective_head_dim
     q_width, kv_width = config.num_heads * hd, config.kv_heads * hd
     projections = 2 * n * d * q_width * 2 + 2 * m * d * kv_width * 2  # q, out; k, v
     scores_and_values = 2 * n * m * q_width * 2
