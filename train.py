@@ -53,15 +53,29 @@ class TrainState(struct.PyTreeNode):
 
 
 def model_config(config: Any, task: tasks.Task) -> TransformerConfig:
-    """The TransformerConfig of a run: config.model plus the sizes the data decided.
+    """The TransformerConfig of a run: config.model plus the sizes and special ids (pad, eos,
+    decoder start, unk) the data decided: those of the task's vocabulary, with which every
+    batch was built, so a run on a Marian vocabulary gets Marian's ids.
 
     ``dtype="auto"`` computes in bfloat16 on TPU and GPU (float32 parameters, softmax and
     loss) and in float32 on a CPU, where XLA gains nothing from bfloat16.
+
+    Raises:
+      ValueError: ``config.model`` sets a special id other than the vocabulary's.
     """
     fields = dict(config.model)
+    special = dict(getattr(task, "special_ids", {}))
+    for name, value in special.items():
+        if name in fields and fields[name] != value:
+            raise ValueError(
+                f"config.model.{name}={fields[name]} but the task's vocabulary has "
+                f"{name}={value}; drop config.model.{name} (the vocabulary decides it) or use "
+                "the vocabulary the model was trained with"
+            )
     if fields.get("dtype") == "auto":
         fields["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     fields.update(vocab_size=task.vocab_size, target_vocab_size=task.target_vocab_size)
+    fields.update(special)
     fields.setdefault("max_len", task.max_len)
     if task.target_vocab_size is not None:
         fields["share_embeddings"] = False
@@ -139,7 +153,7 @@ def forward(model: nn.Module, kind: str, params, batch, *, deterministic: bool, 
             targets_segmentation=batch.get("targets_segmentation"),
         )
     targets = batch["targets"]
-    return logits, targets, (targets != 0).astype(jnp.float32), aux
+    return logits, targets, (targets != model.config.pad_id).astype(jnp.float32), aux
 
 
 SUM_KEYS = ("smoothed_kl", "nll", "count", "correct")
@@ -375,21 +389,18 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dic
             limits = np.clip(lengths * 3 // 2 + 10, 1, max_len)
         tokens = greedy_decode_in_order(params, cfg, inputs, mesh, max_len, limits)
         for row in range(tokens.shape[0]):
+            real = task.metric == "bleu" or (np.asarray(references[row]) != cfg.pad_id).any()
             if task.metric == "exact_match":
-                if not references[row].any():
+                if not real:
                     continue  # padding row
-                hyps.append(
-                    bool(losses.exact_match(tokens[row : row + 1], references[row : row + 1])[0])
+                match = losses.exact_match(
+                    tokens[row : row + 1], references[row : row + 1], pad_id=cfg.pad_id
                 )
+                hyps.append(bool(match[0]))
             elif references[row] is not None:
                 hyps.append(task.detokenize(tokens[row].tolist()))
                 refs.append(references[row])
-            if len(examples) < 3 and (
-                task.metric == "bleu"
-                and references[row] is not None
-                or task.metric == "exact_match"
-                and references[row].any()
-            ):
+            if len(examples) < 3 and real and references[row] is not None:
                 examples.append(
                     (
                         task.source_detokenize(inputs[row].tolist()),

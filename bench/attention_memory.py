@@ -1,5 +1,10 @@
 """Peak memory and time of attention forward + backward: reference ("xla") vs blockwise.
 
+Also blockwise with a local window (``--window``, default 256 keys on each side; causal, so a
+sliding window of 257 keys, TransformerConfig.attention_window): key blocks outside the window
+are skipped, so its time grows linearly in length where full causal blockwise grows
+quadratically.
+
 For causal self-attention at batch 1, 4 heads, head_dim 64, float32, and 1k / 4k / 16k tokens,
 compiles ``jit(grad(sum(attention(q, k, v) ** 2)))`` for both paths, reads XLA's compiled memory
 estimate (``memory_analysis().temp_size_in_bytes``: the scratch buffers beyond arguments and
@@ -12,6 +17,8 @@ against length; ``attention_memory_quick.*`` with --quick) and prints a markdown
 
     .venv/bin/python bench/attention_memory.py --quick   # 1k and 2k, under half a minute on 2 cores
     .venv/bin/python bench/attention_memory.py           # 1k, 4k, 16k
+    .venv/bin/python bench/attention_memory.py --lengths 4096 16384 \
+        --implementations blockwise blockwise_window     # the window against full blockwise
 """
 
 from __future__ import annotations
@@ -35,18 +42,33 @@ from flaxformer_lite.masks import causal_mask
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 2**20
 
-IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
-    # The reference needs an explicit [1, 1, n, n] causal mask; blockwise builds it per block.
-    "reference": lambda q, k, v: dot_product_attention(q, k, v, causal_mask(q.shape[1])),
-    "blockwise": lambda q, k, v: blockwise_attention(q, k, v, causal=True),
-}
+
+def implementations(window: int) -> dict[str, Callable[..., jax.Array]]:
+    return {
+        # The reference needs an explicit [1, 1, n, n] causal mask; blockwise builds it per block.
+        "reference": lambda q, k, v: dot_product_attention(q, k, v, causal_mask(q.shape[1])),
+        "blockwise": lambda q, k, v: blockwise_attention(q, k, v, causal=True),
+        "blockwise_window": lambda q, k, v: blockwise_attention(
+            q, k, v, causal=True, window=window
+        ),
+    }
+
+
+IMPLEMENTATIONS = tuple(implementations(0))
+COLORS = {"reference": "tab:red", "blockwise": "tab:blue", "blockwise_window": "tab:green"}
 
 
 def measure(
-    name: str, length: int, heads: int, head_dim: int, max_bytes: float, repeats: int
+    name: str,
+    length: int,
+    heads: int,
+    head_dim: int,
+    max_bytes: float,
+    repeats: int,
+    window: int = 256,
 ) -> dict:
     """Compile fwd+bwd at one length; run and time it if its memory estimate fits."""
-    attention = IMPLEMENTATIONS[name]
+    attention = implementations(window)[name]
     spec = jax.ShapeDtypeStruct((1, length, heads, head_dim), jnp.float32)
 
     def loss(q, k, v):
@@ -87,7 +109,9 @@ def markdown_table(rows: list[dict]) -> str:
         "| length | implementation | temp memory (MiB) | x vs shortest | fwd+bwd (ms) | note |",
         "|---:|---|---:|---:|---:|---|",
     ]
-    base = {r["implementation"]: r["temp_bytes"] for r in rows if r["length"] == rows[0]["length"]}
+    base = {}
+    for r in rows:  # each implementation against its own shortest length
+        base.setdefault(r["implementation"], r["temp_bytes"])
     for r in rows:
         growth = r["temp_bytes"] / base[r["implementation"]]
         t = f"{1e3 * r['time_s']:.1f}" if r["ran"] else "not run"
@@ -105,8 +129,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, color in (("reference", "tab:red"), ("blockwise", "tab:blue")):
+    for name, color in COLORS.items():
         rs = [r for r in rows if r["implementation"] == name]
+        if not rs:
+            continue
         ax_mem.plot(
             [r["length"] for r in rs],
             [r["temp_bytes"] / MiB for r in rs],
@@ -143,14 +169,29 @@ def main() -> None:
     parser.add_argument("--max-gb", type=float, default=8.0, help="don't run above this estimate")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--lengths", type=int, nargs="+", help="default 1k 4k 16k (--quick 1k 2k)")
+    parser.add_argument(
+        "--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS)
+    )
+    parser.add_argument("--window", type=int, default=256, help="blockwise_window's r (per side)")
+    parser.add_argument("--stem", help="output file name stem (default by --quick)")
     args = parser.parse_args()
 
-    lengths = [1024, 2048] if args.quick else [1024, 4096, 16384]
+    lengths = args.lengths or ([1024, 2048] if args.quick else [1024, 4096, 16384])
     rows = []
     for length in lengths:
-        for name in IMPLEMENTATIONS:
+        for name in args.implementations:
             repeats = 1 if length >= 16384 else args.repeats
-            row = measure(name, length, args.heads, args.head_dim, args.max_gb * 2**30, repeats)
+            row = measure(
+                name,
+                length,
+                args.heads,
+                args.head_dim,
+                args.max_gb * 2**30,
+                repeats,
+                window=args.window,
+            )
+            row["window"] = args.window if name == "blockwise_window" else None
             rows.append(row)
             print(f"{name:>9} {length:>6}: {row['temp_bytes'] / MiB:10.1f} MiB  {row['note']}")
 
@@ -162,13 +203,14 @@ def main() -> None:
         "causal": True,
         "dtype": "float32",
         "blockwise_blocks": "default (512 x 512)",
+        "window": args.window,
         "jax": jax.__version__,
         "device": f"{device.platform}: {device.device_kind}",
         "host": platform.processor() or platform.machine(),
         "memory_metric": "compiled memory_analysis().temp_size_in_bytes of jit(grad(loss))",
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "attention_memory_quick" if args.quick else "attention_memory"  # keep the full table
+    stem = args.stem or ("attention_memory_quick" if args.quick else "attention_memory")
     (args.out / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
     )

@@ -310,13 +310,16 @@ def padding_rows(
                 examples,
                 tokens_per_batch=TOKENS_PER_BATCH,
                 boundaries=boundaries,
+                pad_id=PAD_ID,
                 batch_size_multiple=BATCH_SIZE_MULTIPLE,
                 seed=0,
             ),
             f"batch_by_tokens, bucket_boundaries({max_len}) = {boundaries}",
         ),
         "packed": (
-            pack_examples(examples, length=max_len, rows_per_batch=pack_rows, seed=0),
+            pack_examples(
+                examples, length=max_len, rows_per_batch=pack_rows, pad_id=PAD_ID, seed=0
+            ),
             f"pack_examples, {pack_rows} rows x {max_len}",
         ),
     }
@@ -328,7 +331,7 @@ def padding_rows(
         real = sum(int(np.count_nonzero(b["targets"] != PAD_ID)) for b in batches)
         real_in = sum(int(np.count_nonzero(b["inputs"] != PAD_ID)) for b in batches)
         in_pad = 1 - real_in / sum(b["inputs"].size for b in batches)
-        pad = padding_fraction(batches)
+        pad = padding_fraction(batches, PAD_ID)
         note = (
             f"padding {100 * pad:.0f}% of target positions, {100 * in_pad:.0f}% of inputs; "
             f"{len(batches)} batches in {len(by_shape)} shape(s)"

@@ -17,11 +17,13 @@ The ``implementation`` switch is the one place a faster kernel plugs in:
   "cudnn" ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN flash attention, where
           ``cudnn_unsupported_reason`` finds nothing against it (an NVIDIA GPU, float16/bfloat16,
           head_dim a multiple of 8 up to 128, or 256 from Hopper on, ...); an ``AttentionMask``
-          goes to cuDNN as ``is_causal`` and sequence lengths, not as a matrix. Anywhere else it
+          goes to cuDNN as ``is_causal``, sequence lengths and a causal sliding window (a window
+          without causal is refused with the warning), not as a matrix. Anywhere else it
           runs the "xla" reference after one warning that says why;
   "blockwise" ``blockwise.blockwise_attention``: online softmax over key blocks in pure JAX with
           a recomputing backward, memory linear in sequence length (long sequences); an
-          ``AttentionMask`` is applied block by block and future key blocks are skipped.
+          ``AttentionMask`` is applied block by block; future key blocks and key blocks outside its
+          window are skipped.
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ def cudnn_unsupported_reason(
     dense_mask_or_bias: bool,
     segments: bool = False,
     compute_capability: tuple[int, int] | None = None,
+    window: int | None = None,
+    causal: bool = False,
 ) -> str | None:
     """Why ``jax.nn.dot_product_attention(implementation="cudnn")`` cannot take this call, or
     None when it can. Pure: the same answer for the same description, on any machine.
@@ -168,12 +172,21 @@ def cudnn_unsupported_reason(
         ``AttentionMask`` without segment ids does not, it becomes ``is_causal``/lengths).
       segments: an ``AttentionMask`` with segment ids (cuDNN gets them as a dense mask).
       compute_capability: the GPU's (major, minor); Hopper (9, 0) on allows head_dim 256.
+      window, causal: an ``AttentionMask``'s local window and causal flag. cuDNN takes a window
+        only as a causal sliding window (jax passes it as ``sliding_window`` and refuses a
+        window to the right of the diagonal), so a window without ``causal`` is refused.
 
     The limits are jax 0.10's own checks (``jax._src.cudnn.fused_attention_stablehlo``:
     ``check_layout``, ``check_is_flash_attention``) for the non-FP8 flash kernel.
     """
     if backend != "cuda":
         return f"the backend is {backend!r}; cuDNN attention needs an NVIDIA GPU ('cuda')"
+    if window is not None and not causal:
+        return (
+            f"a bidirectional local window (window {window} without causal): cuDNN supports "
+            "only a causal sliding window (TransformerConfig.attention_window_layers='decoder' "
+            "keeps it off the encoder)"
+        )
     if len(set(dtypes)) != 1:
         return f"query, key and value dtypes differ ({', '.join(dtypes)})"
     if dtypes[0] not in CUDNN_DTYPES:
@@ -240,6 +253,8 @@ def _cudnn_attention(query: Array, key: Array, value: Array, mask, bias) -> Arra
         dense_mask_or_bias=dense_mask is not None or bias is not None,
         segments=segments,
         compute_capability=_compute_capability(),
+        window=mask.window if structured else None,
+        causal=structured and mask.causal,
     )
     if reason is not None:
         warn_cudnn_fallback(reason)
@@ -249,6 +264,8 @@ def _cudnn_attention(query: Array, key: Array, value: Array, mask, bias) -> Arra
     guards = []  # [b|1, q_len|1, heads|1] bool: rows whose output is kept (else zero)
     if structured:
         kw["is_causal"] = mask.causal
+        if mask.window is not None:  # causal here (see cudnn_unsupported_reason): j >= i - window
+            kw["local_window_size"] = (mask.window, 0)
         lengths = {}
         for name, valid, length in (
             ("query_seq_lengths", mask.query_valid, q_len),
@@ -309,6 +326,7 @@ def _blockwise(query, key, value, mask, bias) -> Array:
         None,
         bias,
         causal=mask.causal,
+        window=mask.window,
         key_padding=mask.key_valid,
         query_segment_ids=mask.query_segment_ids,
         key_segment_ids=mask.key_segment_ids,

@@ -1,7 +1,8 @@
 """Batching: examples to fixed-shape int32 batches, planned from lengths alone.
 
-Every batch is a dict of numpy int32 arrays padded with ``PAD_ID`` (0), in a small fixed set
-of shapes (one per length bucket) so a jitted train step compiles once per bucket. A
+Every batch is a dict of numpy int32 arrays padded with the vocabulary's pad id (every
+builder takes ``pad_id``: 0 for the project's vocabularies, 58100 for a Marian one), in a
+small fixed set of shapes (one per length bucket) so a jitted train step compiles once per bucket. A
 :class:`BatchPlan` says which examples fill each row without holding their tokens, so every
 host can plan the whole epoch and read the tokens of its own rows only. Length buckets
 (translation), windows of a token stream (language model) and one row per sentence
@@ -17,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from flaxformer_lite.encoding import EncodedPairs, Example
-from flaxformer_lite.special_ids import PAD_ID
 
 Batch = dict[str, np.ndarray]
 
@@ -75,7 +75,7 @@ class BatchPlan:
     """Which examples fill each row of one ``[rows, length]`` batch, without their tokens.
 
     Row ``r`` holds examples ``members[row_splits[r]:row_splits[r + 1]]`` in segment order
-    (none: an all-PAD row). A plan costs a few integers per example, so every host can plan
+    (none: an all-``pad_id`` row). A plan costs a few integers per example, so every host can plan
     the whole epoch and read the tokens of its own rows only (:meth:`take`).
 
     Attributes:
@@ -83,6 +83,7 @@ class BatchPlan:
       rows: rows of the batch.
       members: int64 [k] example indices, row after row.
       row_splits: int64 [rows + 1] offsets into ``members``.
+      pad_id: the id that fills ``inputs`` and ``targets`` after the examples.
       packed: several examples per row, with segmentation and position keys.
       with_index: also return ``index`` [rows] (the example of each row, -1 on padding
         rows; one example per row only).
@@ -92,6 +93,7 @@ class BatchPlan:
     rows: int
     members: np.ndarray
     row_splits: np.ndarray
+    pad_id: int
     packed: bool = False
     with_index: bool = False
 
@@ -104,7 +106,8 @@ class BatchPlan:
         sides = ("inputs", "targets")
         keys = [f"{s}{x}" for s in sides for x in (("", "_segmentation", "_position"))]
         batch = {
-            k: np.zeros((n, self.length), dtype=np.int32) for k in (keys if self.packed else sides)
+            k: np.full((n, self.length), self.pad_id if k in sides else 0, dtype=np.int32)
+            for k in (keys if self.packed else sides)
         }
         if self.with_index:
             batch["index"] = np.full((n,), -1, dtype=np.int32)
@@ -132,10 +135,16 @@ class BatchPlan:
 
 
 def plans_from_rows(
-    members: np.ndarray, row_splits: np.ndarray, *, length: int, rows: int, **kwargs: Any
+    members: np.ndarray,
+    row_splits: np.ndarray,
+    *,
+    length: int,
+    rows: int,
+    pad_id: int,
+    **kwargs: Any,
 ) -> list[BatchPlan]:
     """Cuts rows ``row_splits`` (over ``members``) into plans of ``rows`` rows; the last one
-    is completed with empty rows."""
+    is completed with empty rows (all ``pad_id``)."""
     num_rows = len(row_splits) - 1
     plans = []
     for first in range(0, num_rows, rows):
@@ -147,6 +156,7 @@ def plans_from_rows(
                 rows=rows,
                 members=members[splits[0] : splits[-1]],
                 row_splits=splits - splits[0],
+                pad_id=pad_id,
                 **kwargs,
             )
         )
@@ -158,6 +168,7 @@ def plan_by_tokens(
     *,
     tokens_per_batch: int,
     boundaries: Sequence[int],
+    pad_id: int,
     batch_size_multiple: int = 1,
     shuffle: bool = True,
     seed: int = 0,
@@ -187,6 +198,7 @@ def plan_by_tokens(
             np.arange(len(members) + 1, dtype=np.int64),
             length=length,
             rows=rows,
+            pad_id=pad_id,
             with_index=with_index,
         )
     if shuffle:
@@ -199,6 +211,7 @@ def batch_by_tokens(
     *,
     tokens_per_batch: int,
     boundaries: Sequence[int],
+    pad_id: int,
     batch_size_multiple: int = 1,
     shuffle: bool = True,
     seed: int = 0,
@@ -210,7 +223,7 @@ def batch_by_tokens(
     Each example goes to the smallest bucket ``L`` in ``boundaries`` holding
     ``max(len(inputs), len(targets))``. A bucket's batches are exactly
     ``[rows_for_length(L, tokens_per_batch, batch_size_multiple), L]``; its last partial
-    batch is completed with all-PAD rows (zero loss weight).
+    batch is completed with all-``pad_id`` rows (zero loss weight).
 
     With ``shuffle``, examples are shuffled then stably sorted by length inside each bucket
     (length-homogeneous batches), and the batch list is shuffled, all with an RNG seeded by
@@ -219,6 +232,7 @@ def batch_by_tokens(
 
     Args:
       examples: dicts with 1-D int ``inputs`` and ``targets``.
+      pad_id: the vocabulary's padding id, filling every row after its example.
       with_index: also return ``index`` [rows] int32: position of each row's example in
         ``examples`` (-1 on padding rows), to match predictions with references.
 
@@ -233,6 +247,7 @@ def batch_by_tokens(
         lengths,
         tokens_per_batch=tokens_per_batch,
         boundaries=boundaries,
+        pad_id=pad_id,
         batch_size_multiple=batch_size_multiple,
         shuffle=shuffle,
         seed=seed,
@@ -242,12 +257,12 @@ def batch_by_tokens(
     return [plan.take(examples) for plan in plans]
 
 
-def padding_fraction(batches: Iterable[Batch]) -> float:
-    """Share of PAD among all target positions of ``batches`` (0.0 for no batches)."""
+def padding_fraction(batches: Iterable[Batch], pad_id: int) -> float:
+    """Share of ``pad_id`` among all target positions of ``batches`` (0.0 for no batches)."""
     pads = total = 0
     for batch in batches:
         targets = batch["targets"]
-        pads += int(np.count_nonzero(targets == PAD_ID))
+        pads += int(np.count_nonzero(targets == pad_id))
         total += targets.size
     return pads / total if total else 0.0
 
@@ -257,6 +272,7 @@ def lm_batches(
     *,
     seq_len: int,
     batch_size: int,
+    pad_id: int,
     seed: int = 0,
     epoch: int = 0,
 ) -> list[Batch]:
@@ -264,7 +280,7 @@ def lm_batches(
 
     The stream is cut, from a random offset in ``[0, seq_len)``, into non-overlapping
     windows of ``seq_len`` tokens, so each epoch sees different window borders; windows are
-    shuffled and grouped by ``batch_size``, the last batch completed with all-PAD rows.
+    shuffled and grouped by ``batch_size``, the last batch completed with all-``pad_id`` rows.
     RNG seeded by ``(seed, epoch)``.
     """
     tokens = np.asarray(tokens, dtype=np.int32)
@@ -281,7 +297,7 @@ def lm_batches(
     batches = []
     for start in range(0, num_windows, batch_size):
         chunk = windows[start : start + batch_size]
-        targets = np.full((batch_size, seq_len), PAD_ID, dtype=np.int32)
+        targets = np.full((batch_size, seq_len), pad_id, dtype=np.int32)
         targets[: len(chunk)] = chunk
         batches.append({"targets": targets})
     return batches
@@ -292,13 +308,15 @@ def classification_batches(
     *,
     max_len: int,
     batch_size: int,
+    pad_id: int,
     seed: int = 0,
     epoch: int = 0,
     shuffle: bool = True,
 ) -> list[Batch]:
     """Classification batches: ``inputs`` [B, max_len], ``label`` [B], ``weights`` [B].
 
-    ``weights`` is 1 for real rows and 0 for the all-PAD rows completing the last batch
+    ``inputs`` is filled with ``pad_id`` after each example. ``weights`` is 1 for real rows
+    and 0 for the all-``pad_id`` rows completing the last batch
     (their ``label`` is 0), so they drop out of loss and accuracy.
 
     Raises:
@@ -309,7 +327,7 @@ def classification_batches(
     batches = []
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        inputs = np.full((batch_size, max_len), PAD_ID, dtype=np.int32)
+        inputs = np.full((batch_size, max_len), pad_id, dtype=np.int32)
         label = np.zeros((batch_size,), dtype=np.int32)
         weights = np.zeros((batch_size,), dtype=np.int32)
         for r, i in enumerate(chunk):

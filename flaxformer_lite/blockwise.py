@@ -19,9 +19,10 @@ the only quadratic arrays are those the caller passes in (a full `[b, h, n, n]` 
 
 Long-sequence users need no quadratic array at all: ``causal=True`` builds the causal pattern per
 block from indices (and skips the key blocks that lie entirely in the future, halving the work),
-and ``key_padding`` `[batch, kv_len]` masks padded keys; packed rows pass ``query_segment_ids`` /
-``key_segment_ids`` (a query sees only keys of its own segment, segment 0 sees nothing), also
-compared block by block. The models hand their masks over in this form
+``window=r`` keeps each query to the keys within distance r (key blocks wholly outside are skipped:
+linear work), and ``key_padding`` `[batch, kv_len]` masks padded keys; packed rows pass
+``query_segment_ids`` / ``key_segment_ids`` (a query sees only keys of its own segment, segment 0
+sees nothing), also compared block by block. The models hand their masks over in this form
 (``masks.AttentionMask``), never as `[batch, 1, n, n]` matrices.
 
 Shapes:
@@ -61,6 +62,7 @@ class _Config(NamedTuple):
     kv_len: int  # real (unpadded) number of keys; padded keys are masked by index
     causal: bool
     causal_offset: int  # query i may see key j iff j <= i + causal_offset
+    window: int | None  # query i may see key j iff |j - (i + causal_offset)| <= window
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -149,9 +151,13 @@ def _block_logits(
         s = s + _cut(bias, i, j, cfg).astype(jnp.float32)
     k_idx = j * cfg.k_block + jnp.arange(cfg.k_block)
     allowed = (k_idx < cfg.kv_len)[None, :]  # padded keys never count; [1, k_block]
-    if cfg.causal:
-        q_idx = i * cfg.q_block + jnp.arange(cfg.q_block)
-        allowed = allowed & (k_idx[None, :] <= q_idx[:, None] + cfg.causal_offset)
+    if cfg.causal or cfg.window is not None:
+        diagonal = i * cfg.q_block + jnp.arange(cfg.q_block) + cfg.causal_offset  # [q_block]
+        distance = diagonal[:, None] - k_idx[None, :]  # [q_block, k_block]
+        if cfg.causal:
+            allowed = allowed & (distance >= 0)
+        if cfg.window is not None:
+            allowed = allowed & (jnp.abs(distance) <= cfg.window)
     if key_padding is not None:
         kp = lax.dynamic_slice_in_dim(key_padding, j * cfg.k_block, cfg.k_block, axis=1)
         allowed = allowed & kp[:, None, None, None, :]
@@ -168,19 +174,34 @@ def _block_logits(
 
 
 def _k_block_range(cfg: _Config, i: Array) -> tuple[Array | int, Array | int]:
-    """Key blocks [lo, hi) that query block i may see (all of them unless causal)."""
-    if not cfg.causal:
-        return 0, cfg.num_k_blocks
-    last_key = (i + 1) * cfg.q_block - 1 + cfg.causal_offset  # newest key the block's last row sees
-    return 0, jnp.clip(last_key // cfg.k_block + 1, 0, cfg.num_k_blocks)
+    """Key blocks [lo, hi) that query block i may see: all of them, less those wholly in the
+    future (causal) or wholly outside the window (then at most ``window // k_block + 2`` blocks
+    on each side of the diagonal, a number independent of the length)."""
+    lo, hi = 0, cfg.num_k_blocks
+    first = i * cfg.q_block + cfg.causal_offset  # diagonal of the block's first row
+    last = first + cfg.q_block - 1  # ... and of its last row
+    if cfg.causal:
+        hi = jnp.clip(last // cfg.k_block + 1, 0, cfg.num_k_blocks)
+    if cfg.window is not None:
+        lo = jnp.clip((first - cfg.window) // cfg.k_block, 0, cfg.num_k_blocks)
+        hi = jnp.minimum(hi, jnp.clip((last + cfg.window) // cfg.k_block + 1, 0, cfg.num_k_blocks))
+        hi = jnp.maximum(hi, lo)  # an empty range, never a negative one
+    return lo, hi
 
 
 def _q_block_range(cfg: _Config, j: Array) -> tuple[Array | int, Array | int]:
-    """Query blocks [lo, hi) that see any key of key block j (all of them unless causal)."""
-    if not cfg.causal:
-        return 0, cfg.num_q_blocks
-    first_query = j * cfg.k_block - cfg.causal_offset  # first query allowed to see key j*k_block
-    return jnp.clip(first_query // cfg.q_block, 0, cfg.num_q_blocks), cfg.num_q_blocks
+    """Query blocks [lo, hi) that see any key of key block j: all of them, less those wholly
+    before it (causal) or wholly outside the window."""
+    lo, hi = 0, cfg.num_q_blocks
+    first = j * cfg.k_block - cfg.causal_offset  # the query whose diagonal is the first key
+    last = first + cfg.k_block - 1  # ... and the last key
+    if cfg.causal:
+        lo = jnp.clip(first // cfg.q_block, 0, cfg.num_q_blocks)
+    if cfg.window is not None:
+        lo = jnp.maximum(lo, jnp.clip((first - cfg.window) // cfg.q_block, 0, cfg.num_q_blocks))
+        hi = jnp.clip((last + cfg.window) // cfg.q_block + 1, 0, cfg.num_q_blocks)
+        hi = jnp.maximum(hi, lo)
+    return lo, hi
 
 
 def _forward(
@@ -353,6 +374,7 @@ def blockwise_attention(
     *,
     causal: bool = False,
     causal_offset: int = 0,
+    window: int | None = None,
     key_padding: Array | None = None,
     query_segment_ids: Array | None = None,
     key_segment_ids: Array | None = None,
@@ -377,7 +399,13 @@ def blockwise_attention(
         indices (no mask array); key blocks wholly in the future are skipped.
       causal_offset: shift of the causal diagonal (static int). 0 matches
         ``masks.causal_mask`` and ``jax.nn.dot_product_attention(is_causal=True)``;
-        ``kv_len - q_len`` aligns the queries with the last keys (a prompt appended to a cache).
+        ``kv_len - q_len`` aligns the queries with the last keys (a prompt appended to a cache);
+        it shifts the window's centre too.
+      window: restricted attention (static int >= 0, None = full): query i attends only to keys
+        j with |j - (i + causal_offset)| <= window, r keys on each side as ``masks.local_mask``
+        (with ``causal``: a sliding window of the window keys before and the diagonal). Built
+        per block from indices; key blocks wholly outside the window are skipped, so the work
+        grows linearly in the length.
       key_padding: bool `[batch, kv_len]` (or `[1, kv_len]`); True for a real key, False for
         padding. Combined (logical and) with ``mask`` and ``causal``.
       query_segment_ids, key_segment_ids: int `[batch, q_len]` and `[batch, kv_len]` (or batch
@@ -404,6 +432,10 @@ def blockwise_attention(
             "blockwise attention does not support attention dropout; use dropout_rate=0, "
             "deterministic=True, or implementation='xla'"
         )
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 0
+    ):
+        raise ValueError(f"window must be None or an int >= 0; got {window!r}")
     if query_block < 1 or key_block < 1:
         raise ValueError(f"block sizes must be >= 1; got {query_block} and {key_block}")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -479,6 +511,7 @@ def blockwise_attention(
         kv_len=kv_len,
         causal=bool(causal),
         causal_offset=int(causal_offset),
+        window=window,
     )
     out = _flash(cfg, q, k, v, mask, bias, key_padding, segments)  # [b, Qp, kvh, g, d]
     return out[:, :q_len].reshape(batch, q_len, heads, value.shape[-1])

@@ -10,7 +10,7 @@ from flaxformer_lite.batch_stream import BatchStream
 from flaxformer_lite.batching import Batch, classification_batches
 from flaxformer_lite.data import DataError, DataStats, load_labeled, normalize
 from flaxformer_lite.encoding import encode_labeled
-from flaxformer_lite.tasks import Task, local_split
+from flaxformer_lite.tasks import Task, local_split, vocabulary_ids
 from flaxformer_lite.workdir_data import vocabulary
 
 
@@ -69,13 +69,18 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
             train_ex,
             max_len=config.max_len,
             batch_size=config.batch_size,
+            pad_id=tokenizer.pad_id,
             seed=config.seed,
             epoch=epoch,
         )
 
     stream = BatchStream(make_batches, process_index=process_index, process_count=process_count)
     evals = classification_batches(
-        dev_ex, max_len=config.max_len, batch_size=config.batch_size, shuffle=False
+        dev_ex,
+        max_len=config.max_len,
+        batch_size=config.batch_size,
+        pad_id=tokenizer.pad_id,
+        shuffle=False,
     )
     return Task(
         kind="classification",
@@ -84,6 +89,7 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
         vocab_size=tokenizer.vocab_size,
         target_vocab_size=None,
         max_len=config.max_len,
+        special_ids=vocabulary_ids(tokenizer),
         metric="accuracy",
         log_lines=[f"train: {stats.summary()}", f"eval: {eval_stats.summary()}"],
     )

@@ -23,6 +23,7 @@ POSITIONS = ("sinusoidal", "learned", "rotary", "none")
 SINUSOID_LAYOUTS = ("interleaved", "halves")
 DTYPES = ("float32", "bfloat16", "float16")
 POOLINGS = ("mean", "first", "attention")
+ATTENTION_WINDOW_LAYERS = ("both", "encoder", "decoder")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,16 @@ class TransformerConfig:
       moe_aux_loss_weight: weight of the load-balancing loss (mean over MoE layers) in the
         training objective.
       router_z_loss_weight: weight of the router z-loss (mean over MoE layers).
+      attention_window: restricted self-attention (the paper's neighbourhood of size r; None =
+        full attention): a query sees the keys within distance r *on each side*, |i - j| <= r
+        (``masks.local_mask``), up to 2r + 1 keys; in the decoder, causal as well, a sliding
+        window of itself and the r keys before it. Cross-attention is never restricted. With
+        "blockwise" attention key blocks outside the window are skipped (work linear in
+        length); cuDNN takes the decoder's sliding window and refuses the encoder's (the
+        reference runs, with a warning). Cached decoding keeps a ring buffer of the last r
+        keys/values per layer, so its memory is constant in the generated length.
+      attention_window_layers: which self-attentions use ``attention_window``: "both",
+        "encoder" or "decoder" (a decoder-only model's stack is "decoder").
       head_dim: width of each attention head (queries, keys and values); None =
         d_model // num_heads (then d_model must be divisible by num_heads). Set apart from
         d_model, the projections are `[d_model, heads, head_dim]` and the output projection
@@ -150,6 +161,8 @@ class TransformerConfig:
     moe_every: int = 1
     moe_aux_loss_weight: float = 0.01
     router_z_loss_weight: float = 0.001
+    attention_window: int | None = None
+    attention_window_layers: str = "both"
     head_dim: int | None = None
 
     def __post_init__(self) -> None:
@@ -215,6 +228,7 @@ class TransformerConfig:
             "param_dtype": DTYPES,
             "attention_implementation": ATTENTION_IMPLEMENTATIONS,
             "pooling": POOLINGS,
+            "attention_window_layers": ATTENTION_WINDOW_LAYERS,
         }
         for name, valid in choices.items():
             if getattr(self, name) not in valid:
@@ -252,6 +266,14 @@ class TransformerConfig:
                 )
 
         self._check_moe()
+        window = self.attention_window
+        if window is not None and (
+            not isinstance(window, int) or isinstance(window, bool) or window < 1
+        ):
+            raise ValueError(
+                f"TransformerConfig.attention_window must be None or a positive integer; got "
+                f"{window!r}"
+            )
 
     def _check_moe(self) -> None:
         for name in ("num_experts", "num_experts_per_token", "moe_every"):
@@ -283,6 +305,12 @@ class TransformerConfig:
                 "TransformerConfig.moe_every must be 1 with scan_layers=True (one scanned "
                 f"layer body serves every layer); got {self.moe_every}"
             )
+
+    def self_attention_window(self, stack: str) -> int | None:
+        """``attention_window`` where it applies to ``stack`` ("encoder"/"decoder"), else None."""
+        if self.attention_window_layers in ("both", stack):
+            return self.attention_window
+        return None
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` (from 0) of a stack has a mixture-of-experts block."""

@@ -25,10 +25,16 @@ PAD.
 Every search also takes an optional ``row_max_len``, int ``[batch]``: row ``b`` generates at
 most ``row_max_len[b]`` tokens (PAD after them), so what a row gets never depends on the
 limits of its batch-mates; ``max_len`` is then only the static width of the output.
+
+Two static token constraints, Hugging Face's default logits processors for Marian models, are
+shared by every search: ``forced_eos`` (``forced_eos_token_id``: the last token a row may
+generate, at its limit, is EOS) and ``banned_ids`` (single-token ``bad_words_ids``: ids never
+generated, e.g. PAD).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -41,11 +47,19 @@ from flaxformer_lite.special_ids import BOS_ID, EOS_ID, PAD_ID  # re-exported: t
 PyTree = Any
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
 
+# Beam-search rules: "gnmt" (GNMT length penalty, exact stopping bound) or "hf" (those of
+# Hugging Face's generate(num_beams=k)); early_stopping values of the "hf" rules.
+BEAM_STYLES = ("gnmt", "hf")
+EARLY_STOPPING = (False, True, "never")
+
 __all__ = [
     "BOS_ID",
     "EOS_ID",
     "PAD_ID",
+    "BEAM_STYLES",
+    "EARLY_STOPPING",
     "beam_search",
+    "check_search_options",
     "expand_to_beams",
     "flatten_beams",
     "greedy_search",
@@ -120,18 +134,91 @@ def _row_limits(row_max_len: jax.Array | None, batch_size: int, max_len: int) ->
     return jnp.clip(row_max_len.astype(jnp.int32), 1, max_len)
 
 
-def length_penalty(length: jax.Array | int | float, alpha: float) -> jax.Array:
-    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (Wu et al., 2016).
+def length_penalty(length: jax.Array | int | float, alpha: float, style: str = "gnmt") -> jax.Array:
+    """Length penalty: GNMT's ``((5 + length) / 6) ** alpha`` (Wu et al., 2016) or, with
+    ``style="hf"``, Hugging Face's ``length ** alpha`` (its ``length_penalty`` is ``alpha``).
 
     Args:
-      length: number of generated tokens (EOS included, BOS excluded); any shape.
+      length: number of generated tokens (EOS included, BOS / decoder start excluded); any
+        shape.
       alpha: strength; 0 disables the penalty (returns 1).
+      style: one of :data:`BEAM_STYLES`.
 
     Returns:
       float32 array with the shape of ``length``. Beam scores are ``log_prob / penalty``.
     """
+    _check_choice("style", style, BEAM_STYLES)
     length = jnp.asarray(length, dtype=jnp.float32)
-    return ((5.0 + length) / 6.0) ** alpha
+    base = (5.0 + length) / 6.0 if style == "gnmt" else length
+    return base**alpha
+
+
+def _check_choice(name: str, value: Any, valid: tuple) -> None:
+    # `True in (1,)` holds in Python: compare types too, so early_stopping=1 is refused.
+    if not any(type(value) is type(v) and value == v for v in valid):
+        raise ValueError(f"{name} must be one of {valid}; got {value!r}")
+
+
+def check_search_options(
+    beam_style: str = "gnmt",
+    early_stopping: bool | str = False,
+    forced_eos: bool = False,
+    banned_ids: Any = (),
+    *,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+) -> tuple[int, ...]:
+    """Validates the static search options; returns ``banned_ids`` as a sorted tuple of ints.
+
+    Args:
+      beam_style: one of :data:`BEAM_STYLES`.
+      early_stopping: one of :data:`EARLY_STOPPING`; anything but False needs
+        ``beam_style="hf"`` (GNMT's rule stops by an exact bound).
+      forced_eos: a bool.
+      banned_ids: ints, each in ``[0, vocab_size)`` (when given) and none ``eos_id``.
+
+    Raises:
+      ValueError: naming the argument and the valid values.
+    """
+    _check_choice("beam_style", beam_style, BEAM_STYLES)
+    _check_choice("early_stopping", early_stopping, EARLY_STOPPING)
+    if early_stopping is not False and beam_style != "hf":
+        raise ValueError(
+            f"early_stopping={early_stopping!r} is a rule of beam_style='hf'; beam_style="
+            f"{beam_style!r} stops by its exact bound (leave early_stopping=False)"
+        )
+    if not isinstance(forced_eos, bool):
+        raise ValueError(f"forced_eos must be True or False; got {forced_eos!r}")
+    try:  # ints only (NumPy's too): no floats, bools, strings or nested sequences
+        ids = [_token_id(i) for i in banned_ids]
+    except TypeError:
+        ids = None
+    limit = float("inf") if vocab_size is None else vocab_size
+    if ids is None or not all(0 <= i < limit for i in ids):
+        valid = "ints >= 0" if vocab_size is None else f"ints in [0, {vocab_size})"
+        raise ValueError(
+            f"banned_ids must be a sequence of token ids ({valid}); got {banned_ids!r}"
+        )
+    ids = tuple(sorted(set(ids)))
+    if eos_id is not None and eos_id in ids:
+        raise ValueError(f"banned_ids must not contain eos_id={eos_id}: no row could end")
+    return ids
+
+
+def _token_id(value: Any) -> int:
+    """``value`` as a Python int if it is an int (NumPy's too) and not a bool; else TypeError."""
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(value)
+
+
+def _banned_mask(banned_ids: tuple[int, ...], vocab: int) -> jax.Array | None:
+    """bool ``[vocab]``, True at the banned ids (None when there are none); checked against
+    the logits' vocabulary at trace time."""
+    if not banned_ids:
+        return None
+    check_search_options(banned_ids=banned_ids, vocab_size=vocab)
+    return jnp.zeros((vocab,), bool).at[jnp.array(banned_ids)].set(True)
 
 
 # ---------------------------------------------------------------------------
@@ -205,15 +292,19 @@ def _decode_loop(
     bos_id: int,
     initial_tokens: jax.Array | None,
     row_max_len: jax.Array | None,
+    forced_eos: bool,
+    banned_ids: tuple[int, ...],
 ) -> tuple[jax.Array, jax.Array]:
     """Single-hypothesis decoding loop shared by greedy search and sampling.
 
     ``choose(logits, step) -> int32 [batch]`` picks the next token from float logits
-    ``[batch, vocab]`` (already cast to the working dtype). Returns tokens
-    ``[batch, max_len]`` and the summed model log-probs ``[batch]``.
+    ``[batch, vocab]`` (already cast to the working dtype, ``banned_ids`` at the dtype's
+    lowest value); with ``forced_eos`` a row's token at its limit is EOS whatever it picks.
+    Returns tokens ``[batch, max_len]`` and the summed model log-probs ``[batch]``.
     """
     _check_positive_int("batch_size", batch_size)
     _check_positive_int("max_len", max_len)
+    banned_ids = check_search_options(forced_eos=forced_eos, banned_ids=banned_ids, eos_id=eos_id)
     first = _initial_tokens(initial_tokens, batch_size, bos_id)
     limits = _row_limits(row_max_len, batch_size, max_len)
 
@@ -231,7 +322,12 @@ def _decode_loop(
         # Scores are reported under the model's own distribution (no temperature / filtering),
         # so every decoding method is scored on the same scale.
         logp = jax.nn.log_softmax(logits, axis=-1)
+        banned = _banned_mask(banned_ids, logits.shape[-1])
+        if banned is not None:  # finfo.min, not -inf: a sampling row never becomes all -inf
+            logits = jnp.where(banned, jnp.finfo(logits.dtype).min, logits)
         nxt = choose(logits, step).astype(jnp.int32)
+        if forced_eos:
+            nxt = jnp.where(step == limits - 1, eos_id, nxt)
         nxt = jnp.where(finished, pad_id, nxt)
         tok_logp = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
         log_probs = log_probs + jnp.where(finished, 0.0, tok_logp).astype(log_probs.dtype)
@@ -262,6 +358,8 @@ def greedy_search(
     pad_id: int = PAD_ID,
     bos_id: int = BOS_ID,
     row_max_len: jax.Array | None = None,
+    forced_eos: bool = False,
+    banned_ids: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """Greedy (argmax) decoding.
 
@@ -277,11 +375,20 @@ def greedy_search(
       row_max_len: optional int ``[batch_size]``: row ``b`` generates at most
         ``row_max_len[b]`` tokens (clipped to ``[1, max_len]``), PAD after them (default:
         ``max_len`` for every row).
+      forced_eos: a row that reaches its limit without EOS gets EOS as its last token
+        (Hugging Face's ``forced_eos_token_id``).
+      banned_ids: static ids never generated (single-token ``bad_words_ids``); not
+        ``eos_id``.
 
     Returns:
       ``(tokens, log_probs)``: int32 ``[batch_size, max_len]`` generated tokens (EOS
-      included, PAD after it) and float32 ``[batch_size]`` sum of the log-probs of the
-      generated tokens up to and including EOS. The loop stops as soon as every row is done.
+      included, PAD after it) and float32 ``[batch_size]`` sum of the model's log-probs of
+      the generated tokens up to and including EOS (a forced EOS too: its log-prob under the
+      model). The loop stops as soon as every row is done.
+
+    Raises:
+      ValueError: a size is not a positive int, or ``banned_ids`` / ``forced_eos`` are not
+        valid (see :func:`check_search_options`).
     """
     return _decode_loop(
         tokens_to_logits,
@@ -294,6 +401,8 @@ def greedy_search(
         bos_id=bos_id,
         initial_tokens=initial_tokens,
         row_max_len=row_max_len,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
     )
 
 
@@ -347,6 +456,8 @@ def sample(
     pad_id: int = PAD_ID,
     bos_id: int = BOS_ID,
     row_max_len: jax.Array | None = None,
+    forced_eos: bool = False,
+    banned_ids: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering.
 
@@ -369,14 +480,17 @@ def sample(
       pad_id: id written after EOS.
       bos_id: default first input.
       row_max_len: optional int ``[batch_size]`` per-row limits, as in :func:`greedy_search`.
+      forced_eos, banned_ids: token constraints, as in :func:`greedy_search` (banned ids are
+        never sampled).
 
     Returns:
       ``(tokens, log_probs)``: int32 ``[batch_size, max_len]`` and float32 ``[batch_size]``
       sum of the log-probs of the sampled tokens under the *unmodified* model distribution
-      (no temperature or filtering), up to and including EOS.
+      (no temperature, filtering or constraints), up to and including EOS.
 
     Raises:
-      ValueError: ``temperature < 0``, ``top_k < 0`` or ``top_p`` outside ``(0, 1]``.
+      ValueError: ``temperature < 0``, ``top_k < 0``, ``top_p`` outside ``(0, 1]``, or
+        invalid ``forced_eos`` / ``banned_ids``.
     """
     # The arguments are static: validating them here (in Python) gives clear errors at trace
     # time instead of silent NaNs.
@@ -409,6 +523,8 @@ def sample(
         bos_id=bos_id,
         initial_tokens=initial_tokens,
         row_max_len=row_max_len,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
     )
 
 
@@ -445,6 +561,57 @@ def _gather_beams(x: jax.Array, parent: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)
 
 
+def _constrained_log_probs(
+    logp: jax.Array,
+    length: jax.Array,
+    limits: jax.Array,
+    *,
+    eos_id: int,
+    forced_eos: bool,
+    banned_ids: tuple[int, ...],
+) -> jax.Array:
+    """Next-token log-probs ``[batch, beam, vocab]`` as Hugging Face's logits processors
+    leave them for its beam search (no renormalisation): banned ids ``-inf``; with
+    ``forced_eos``, for a batch element whose ``length`` (int) reaches its limit (``limits``
+    ``[batch]``), every id ``-inf`` but EOS, which costs 0."""
+    vocab = logp.shape[-1]
+    banned = _banned_mask(banned_ids, vocab)
+    if banned is not None:
+        logp = jnp.where(banned, -jnp.inf, logp)
+    if forced_eos:
+        only_eos = jnp.where(jnp.arange(vocab) == eos_id, 0.0, -jnp.inf).astype(logp.dtype)
+        logp = jnp.where((length >= limits)[:, None, None], only_eos, logp)
+    return logp
+
+
+def _hf_still_open(
+    best_live_logp: jax.Array,
+    fin_scores: jax.Array,
+    fin_flags: jax.Array,
+    length: jax.Array,
+    limits: jax.Array,
+    *,
+    alpha: float,
+    early_stopping: bool | str,
+) -> jax.Array:
+    """bool ``[batch]``: whether Hugging Face's beam search keeps a batch element open after a
+    step (``_check_early_stop_heuristic``, and a full pool under ``early_stopping=True``).
+
+    ``best_live_logp`` ``[batch]`` is the best live beam's log-prob after the step, ``length``
+    (int) its length; ``fin_scores`` / ``fin_flags`` ``[batch, beam]`` the finished pool, best
+    first. The best live beam is scored at its current length or, for
+    ``early_stopping="never"`` and ``alpha > 0``, at the element's limit; the element stays
+    open while that beats the worst finished score (any score does until the pool is full).
+    """
+    best_len = limits if (early_stopping == "never" and alpha > 0) else length
+    best = best_live_logp / length_penalty(best_len, alpha, "hf")
+    full = jnp.all(fin_flags, axis=1)
+    open_ = best > jnp.where(full, fin_scores[:, -1], -jnp.inf)
+    if early_stopping is True:
+        open_ = open_ & ~full
+    return open_
+
+
 def beam_search(
     tokens_to_logits: TokensToLogits,
     cache: PyTree,
@@ -458,8 +625,13 @@ def beam_search(
     pad_id: int = PAD_ID,
     bos_id: int = BOS_ID,
     row_max_len: jax.Array | None = None,
+    beam_style: str = "gnmt",
+    early_stopping: bool | str = False,
+    forced_eos: bool = False,
+    banned_ids: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
-    """Beam search with GNMT length penalty; live and finished hypotheses kept apart.
+    """Beam search with live and finished hypotheses kept apart, under GNMT's rules (the
+    default) or those of Hugging Face's ``generate(num_beams=beam_size)``.
 
     The callback is called with ``batch_size * beam_size`` rows (row ``b * beam_size + j`` is
     beam ``j`` of batch element ``b``). Cache leaves with ``ndim > 0`` are tiled to that layout
@@ -472,11 +644,23 @@ def beam_search(
     best ``2 * beam`` of them, enough for ``beam`` live ones to survive even if ``beam`` of the
     candidates end with EOS. A candidate is *finished* when its token is EOS (included in the
     sequence) or when it reaches ``max_len`` tokens (truncated); its score is
-    ``log_prob / length_penalty(length, alpha)``, ``length`` counting EOS. The best ``beam``
-    finished hypotheses and the best ``beam`` unfinished ones are kept. The loop stops at
-    ``max_len`` or as soon as, for every batch element, no live beam can still beat the worst
-    finished one (exact bound: log-probs only decrease, so a live beam's best reachable score
-    is ``log_prob / max(penalty)`` over the lengths still reachable).
+    ``log_prob / length_penalty(length, alpha, beam_style)``, ``length`` counting EOS. The best
+    ``beam`` unfinished candidates go on; the finished pool keeps the best ``beam``
+    hypotheses.
+
+    ``beam_style="gnmt"``: penalty ``((5 + length) / 6) ** alpha``; every finished candidate
+    may enter the pool. The loop stops at ``max_len`` or as soon as, for every batch element,
+    no live beam can still beat the worst finished one (exact bound: log-probs only
+    decrease, so a live beam's best reachable score is ``log_prob / max(penalty)`` over the
+    lengths still reachable).
+
+    ``beam_style="hf"`` (transformers 5 ``_beam_search`` with ``length_penalty=alpha``):
+    penalty ``length ** alpha``; only finished candidates among the best ``beam`` of the
+    ``2 * beam`` enter the pool. A batch element *closes* (its pool frozen) when its pool is
+    full and its best live beam, scored at its current length (``early_stopping`` False or
+    True) or at its limit (``"never"`` with ``alpha > 0``), does not beat the worst finished
+    score, or, with ``early_stopping=True``, as soon as its pool is full. The loop stops at
+    ``max_len`` or when every element is closed.
 
     Args:
       tokens_to_logits: model callback, see the module docstring.
@@ -485,7 +669,8 @@ def beam_search(
       batch_size: static batch size.
       beam_size: static number of beams (and of returned hypotheses) per batch element.
       max_len: static maximum number of generated tokens (BOS not counted).
-      alpha: length-penalty exponent (0 = plain log-probability).
+      alpha: length-penalty exponent (0 = plain log-probability); Hugging Face's
+        ``length_penalty`` under ``beam_style="hf"`` (its default there is 1.0).
       eos_id: end-of-sequence id.
       initial_tokens: optional int32 ``[batch_size]`` first inputs (default: ``bos_id``).
       pad_id: id written after EOS / unused positions.
@@ -493,30 +678,49 @@ def beam_search(
       row_max_len: optional int ``[batch_size]``: the hypotheses of batch element ``b`` end
         at ``min(row_max_len[b], max_len)`` tokens instead of ``max_len`` (everything above,
         bound and truncation included, then holds per element with its own limit).
+      beam_style: static, one of :data:`BEAM_STYLES`.
+      early_stopping: static, one of :data:`EARLY_STOPPING`; not False only with
+        ``beam_style="hf"``.
+      forced_eos: static; at its limit a hypothesis can only end with EOS, which then adds 0
+        to its log-prob (Hugging Face's ``forced_eos_token_id``).
+      banned_ids: static ids that no hypothesis contains (single-token ``bad_words_ids``).
 
     Returns:
       ``(sequences, scores)``: int32 ``[batch_size, beam_size, max_len]`` and float32
       ``[batch_size, beam_size]``, best first. Slots for which fewer than ``beam_size``
       hypotheses with finite log-probability exist have score ``-inf``. If a batch element has
       no finished hypothesis at all, its live beams are returned, scored at their length.
+
+    Raises:
+      ValueError: a size is not a positive int, or a search option is not valid (see
+        :func:`check_search_options`).
     """
     _check_positive_int("batch_size", batch_size)
     _check_positive_int("beam_size", beam_size)
     _check_positive_int("max_len", max_len)
+    banned_ids = check_search_options(
+        beam_style, early_stopping, forced_eos, banned_ids, eos_id=eos_id
+    )
     first = _initial_tokens(initial_tokens, batch_size, bos_id)
     limits = _row_limits(row_max_len, batch_size, max_len)  # [batch]
     k = beam_size
+    hf = beam_style == "hf"
     neg_inf = jnp.array(-jnp.inf, jnp.float32)
+
+    def penalty(length):
+        return length_penalty(length, alpha, beam_style)
+
     # Penalty grows with length when alpha > 0 (shrinks when alpha < 0); the best score a
     # (non-positive) log-prob can reach is obtained with the largest penalty reachable.
-    max_len_penalty = length_penalty(limits, alpha)  # [batch]
+    max_len_penalty = penalty(limits)  # [batch]
 
     def cond(state):
         step = state["step"]
+        if hf:  # an element stays open until it closes or reaches its limit
+            return (step < max_len) & jnp.any(state["open"] & (step < limits))
         # Best reachable score of any live beam (sorted, so beam 0 is the best). An element
         # past its limit has no live beam left (all -inf): it cannot improve.
-        next_len_penalty = length_penalty(step + 1, alpha)
-        best_live = state["live_logp"][:, 0] / jnp.maximum(next_len_penalty, max_len_penalty)
+        best_live = state["live_logp"][:, 0] / jnp.maximum(penalty(step + 1), max_len_penalty)
         # Until `k` hypotheses have finished, live beams can still fill the empty slots.
         worst_finished = jnp.where(
             jnp.all(state["fin_flags"], axis=1), state["fin_scores"][:, -1], neg_inf
@@ -531,7 +735,15 @@ def beam_search(
         logits = _checked_logits(logits, batch_size * k)
         vocab = logits.shape[-1]
         logp = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
-        cand = state["live_logp"][:, :, None] + logp.reshape(batch_size, k, vocab)
+        logp = _constrained_log_probs(
+            logp.reshape(batch_size, k, vocab),
+            length,
+            limits,
+            eos_id=eos_id,
+            forced_eos=forced_eos,
+            banned_ids=banned_ids,
+        )
+        cand = state["live_logp"][:, :, None] + logp
         cand = cand.reshape(batch_size, k * vocab)
 
         # Top 2k candidates: each live beam has a single EOS extension, so at most k of them
@@ -557,12 +769,26 @@ def beam_search(
 
         # Finished pool: merge the kept finished hypotheses with the newly ended ones.
         new_fin = ended & valid
-        new_scores = jnp.where(new_fin, top_logp / length_penalty(length, alpha), neg_inf)
+        if hf:  # only the best k candidates may finish, and only into an open element's pool
+            new_fin = new_fin & (jnp.arange(n_cand) < k) & state["open"][:, None]
+        new_scores = jnp.where(new_fin, top_logp / penalty(length), neg_inf)
         all_scores = jnp.concatenate([state["fin_scores"], new_scores], axis=1)
         all_flags = jnp.concatenate([state["fin_flags"], new_fin], axis=1)
         all_seqs = jnp.concatenate([state["fin_seqs"], top_seqs], axis=1)
         # Empty slots score -inf, so any real hypothesis outranks them; ties keep the older.
         fin_scores, fin_pos = lax.top_k(all_scores, k)
+        fin_flags = jnp.take_along_axis(all_flags, fin_pos, axis=1)
+        open_ = state["open"]
+        if hf:
+            open_ = open_ & _hf_still_open(
+                live_logp[:, 0],
+                fin_scores,
+                fin_flags,
+                length,
+                limits,
+                alpha=alpha,
+                early_stopping=early_stopping,
+            )
         return {
             "step": step + 1,
             "live_tok": live_tok,
@@ -570,7 +796,8 @@ def beam_search(
             "live_logp": live_logp,
             "fin_seqs": _gather_beams(all_seqs, fin_pos),
             "fin_scores": fin_scores,
-            "fin_flags": jnp.take_along_axis(all_flags, fin_pos, axis=1),
+            "fin_flags": fin_flags,
+            "open": open_,
             "cache": new_cache,
         }
 
@@ -586,6 +813,8 @@ def beam_search(
         "fin_seqs": jnp.full((batch_size, k, max_len), pad_id, jnp.int32),
         "fin_scores": jnp.full((batch_size, k), -jnp.inf, jnp.float32),
         "fin_flags": jnp.zeros((batch_size, k), bool),
+        # "hf": elements whose pool may still change (the "gnmt" bound is checked in cond).
+        "open": jnp.ones((batch_size,), bool),
         "cache": _tile_cache(cache, batch_size, k),
     }
     state = lax.while_loop(cond, body, state)
@@ -594,7 +823,7 @@ def beam_search(
     # when nothing with a finite score ever ended (e.g. EOS impossible and max_len unreached).
     none_finished = ~jnp.any(state["fin_flags"], axis=1)
     live_len = jnp.minimum(state["step"], limits)[:, None]
-    live_scores = state["live_logp"] / length_penalty(live_len, alpha)
+    live_scores = state["live_logp"] / penalty(live_len)
     sequences = jnp.where(none_finished[:, None, None], state["live_seqs"], state["fin_seqs"])
     scores = jnp.where(none_finished[:, None], live_scores, state["fin_scores"])
     return sequences, scores

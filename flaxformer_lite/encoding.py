@@ -1,7 +1,9 @@
 """Encoding: normalized strings to int32 token ids, with EOS appended and lengths capped.
 
-A translation example is ``dict(inputs=[src_len], targets=[tgt_len])`` with EOS appended to
-both and no BOS (the model shifts the targets right itself); a classification example is
+The EOS appended is the vocabulary's own (``tokenizer.eos_id``: 1 for the project's
+SentencePiece models, 0 for Marian's). A translation example is
+``dict(inputs=[src_len], targets=[tgt_len])`` with EOS appended to both and no BOS (the
+model shifts the targets right itself); a classification example is
 ``(ids [len], label)``; a language-model corpus is one token stream. :class:`EncodedPairs`
 holds many translation examples in four flat arrays (what the token cache stores).
 """
@@ -14,7 +16,6 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from flaxformer_lite.data import DataStats
-from flaxformer_lite.special_ids import EOS_ID
 from flaxformer_lite.tokenizer import Tokenizer
 
 TOO_LONG_POLICIES = ("truncate", "drop")
@@ -22,11 +23,11 @@ TOO_LONG_POLICIES = ("truncate", "drop")
 Example = dict[str, np.ndarray]
 
 
-def _fit(ids: Sequence[int], max_len: int) -> tuple[np.ndarray, bool]:
-    """``ids + [EOS]`` as int32, cut to ``max_len`` keeping EOS last; also says if cut."""
+def _fit(ids: Sequence[int], max_len: int, eos_id: int) -> tuple[np.ndarray, bool]:
+    """``ids + [eos_id]`` as int32, cut to ``max_len`` keeping EOS last; also says if cut."""
     cut = len(ids) + 1 > max_len
     body = list(ids[: max_len - 1]) if cut else list(ids)
-    return np.asarray([*body, EOS_ID], dtype=np.int32), cut
+    return np.asarray([*body, eos_id], dtype=np.int32), cut
 
 
 def check_too_long(too_long: str) -> None:
@@ -46,7 +47,7 @@ def encode_pairs(
 ) -> list[Example]:
     """Tokenizes pairs into ``dict(inputs=[src_len], targets=[tgt_len])`` int32 examples.
 
-    EOS is appended to both sides. A pair with a side longer than ``max_len`` (EOS
+    Each side's tokenizer's EOS is appended to it. A pair with a side longer than ``max_len`` (EOS
     included) is truncated (EOS kept last; ``stats.num_truncated``) or dropped
     (``stats.num_too_long_dropped``) according to ``too_long``.
     """
@@ -63,8 +64,8 @@ def encode_pairs(
                 stats.num_too_long_dropped += 1
                 continue
             stats.num_truncated += 1
-        inputs, _ = _fit(src_ids, max_len)
-        targets_, _ = _fit(tgt_ids, max_len)
+        inputs, _ = _fit(src_ids, max_len, src_tokenizer.eos_id)
+        targets_, _ = _fit(tgt_ids, max_len, tgt_tokenizer.eos_id)
         out.append({"inputs": inputs, "targets": targets_})
     return out
 
@@ -81,17 +82,19 @@ def encode_labeled(
     encoded = tokenizer.encode_batch([text for text, _ in examples])
     out = []
     for ids, (_, label) in zip(encoded, examples, strict=True):
-        fitted, cut = _fit(ids, max_len)
+        fitted, cut = _fit(ids, max_len, tokenizer.eos_id)
         stats.num_truncated += int(cut)
         out.append((fitted, int(label)))
     return out
 
 
 def lm_token_stream(lines: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
-    """One int32 stream ``[num_tokens]`` of all lines, each followed by EOS (a line break)."""
+    """One int32 stream ``[num_tokens]`` of all lines, each followed by the tokenizer's EOS
+    (a line break)."""
     encoded = tokenizer.encode_batch(list(lines))
+    eos = tokenizer.eos_id
     return np.fromiter(
-        (i for ids in encoded for i in (*ids, EOS_ID)),
+        (i for ids in encoded for i in (*ids, eos)),
         dtype=np.int32,
         count=sum(len(ids) + 1 for ids in encoded),
     )

@@ -36,6 +36,10 @@ STATIC_ARGNAMES = (
     "max_len",
     "beam_size",
     "alpha",
+    "beam_style",
+    "early_stopping",
+    "forced_eos",
+    "banned_ids",
     "temperature",
     "top_k",
     "top_p",
@@ -113,6 +117,10 @@ def _search(
     *,
     beam_size,
     alpha,
+    beam_style,
+    early_stopping,
+    forced_eos,
+    banned_ids,
     temperature,
     top_k,
     top_p,
@@ -124,7 +132,12 @@ def _search(
     # The model's own ids: decoding starts from the decoder-start token it was trained behind,
     # stops at its EOS and pads with its PAD (all default to special_ids).
     ids = dict(
-        bos_id=config.bos_id, eos_id=config.eos_id, pad_id=config.pad_id, row_max_len=row_max_len
+        bos_id=config.bos_id,
+        eos_id=config.eos_id,
+        pad_id=config.pad_id,
+        row_max_len=row_max_len,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
     )
     if method == "greedy":
         return decoding.greedy_search(
@@ -157,6 +170,8 @@ def _search(
         beam_size=beam_size,
         max_len=max_len,
         alpha=alpha,
+        beam_style=beam_style,
+        early_stopping=early_stopping,
         initial_tokens=initial_tokens,
         **ids,
     )
@@ -280,6 +295,30 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
 
 
+def check_search_options(
+    config: TransformerConfig,
+    beam_style: str = "gnmt",
+    early_stopping: bool | str = False,
+    forced_eos: bool = False,
+    banned_ids: Any = (),
+) -> tuple[int, ...]:
+    """``decoding.check_search_options`` against the model: ``banned_ids`` (returned as the
+    sorted tuple the jitted calls take as a static argument) must be ids of its output
+    vocabulary, and not its ``eos_id``.
+
+    Raises:
+      ValueError: naming the argument and the valid values.
+    """
+    return decoding.check_search_options(
+        beam_style,
+        early_stopping,
+        forced_eos,
+        banned_ids,
+        eos_id=config.eos_id,
+        vocab_size=config.output_vocab_size,
+    )
+
+
 def check_decode_len(config: TransformerConfig, max_len: Any, prompt_len: int | None = None) -> int:
     """The number of tokens to generate, checked against the model's positions.
 
@@ -365,6 +404,10 @@ def generate_jit(
     max_len: int | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
+    beam_style: str = "gnmt",
+    early_stopping: bool | str = False,
+    forced_eos: bool = False,
+    banned_ids: tuple[int, ...] = (),
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -375,7 +418,8 @@ def generate_jit(
     of the data axes) and optional ``row_max_len`` `[padded_rows]`, the first ``rows`` of the
     results returned (None: all of them). Called directly (``.lower`` for ahead-of-time
     compilation), it places nothing itself: arguments on other shardings are moved inside the
-    call."""
+    call; ``banned_ids`` must then be a tuple (a static argument; :func:`generate` makes it
+    one)."""
     _check_method(method)
     max_len = check_decode_len(config, max_len)
     params = _constrain_params(params, EncoderDecoder, config, mesh)
@@ -384,7 +428,16 @@ def generate_jit(
         row_max_len = jax.lax.with_sharding_constraint(row_max_len, sharding.batch_sharding(mesh))
     params, config = unrolled(params, config)
     options = dict(
-        beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
+        beam_size=beam_size,
+        alpha=alpha,
+        beam_style=beam_style,
+        early_stopping=early_stopping,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        rng=rng,
     )
     model = EncoderDecoder(config)
     batch_size = inputs.shape[0]
@@ -431,6 +484,10 @@ def continue_prompt_jit(
     max_len: int | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
+    beam_style: str = "gnmt",
+    early_stopping: bool | str = False,
+    forced_eos: bool = False,
+    banned_ids: tuple[int, ...] = (),
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -445,7 +502,16 @@ def continue_prompt_jit(
     batch_size, prompt_len = prompt.shape
     max_len = check_decode_len(config, max_len, prompt_len)
     options = dict(
-        beam_size=beam_size, alpha=alpha, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng
+        beam_size=beam_size,
+        alpha=alpha,
+        beam_style=beam_style,
+        early_stopping=early_stopping,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        rng=rng,
     )
     bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
     context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
@@ -485,6 +551,10 @@ def generate(
     max_len: int | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
+    beam_style: str = "gnmt",
+    early_stopping: bool | str = False,
+    forced_eos: bool = False,
+    banned_ids: tuple[int, ...] = (),
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -501,10 +571,18 @@ def generate(
         or a jax array; a multi-process global array needs rows the data axes divide).
       mesh: the devices to run on (axes data, fsdp, tensor); None = every device, the batch
         split over all of them. Parameters already placed on it are not copied.
-      method: "greedy", "beam" (beam search, GNMT length penalty ``alpha``) or "sample"
+      method: "greedy", "beam" (beam search, length penalty ``alpha``) or "sample"
         (temperature, top-k, top-p; needs ``rng``).
       max_len: tokens to generate at most (EOS included), at most ``config.max_len`` (the
         decoder's positions); None = ``config.max_len``.
+      beam_style, early_stopping: the beam-search rules, ``decoding.BEAM_STYLES`` and
+        ``decoding.EARLY_STOPPING``: "gnmt" (default) or "hf", which with
+        ``alpha=length_penalty`` reproduces Hugging Face's
+        ``generate(num_beams=beam_size, length_penalty=..., early_stopping=...)``.
+      forced_eos: a row reaching ``max_len`` (or its ``row_max_len``) ends with EOS
+        (Hugging Face's ``forced_eos_token_id``, on in Marian configs).
+      banned_ids: ids never generated, e.g. ``(config.pad_id,)`` as opus-mt's
+        ``bad_words_ids``; any sequence of ints of the output vocabulary, not ``eos_id``.
       row_max_len: optional ints `[batch]`, each in ``[1, max_len]``: row ``b`` generates
         at most ``row_max_len[b]`` tokens (PAD after them), so its output does not depend on
         the limits of the other rows; ``max_len`` is then the output width. Host values, or
@@ -519,10 +597,12 @@ def generate(
     Raises:
       ValueError: unknown ``method``, ``max_len`` not a positive int or more than
         ``config.max_len``, ``row_max_len`` of another shape or out of ``[1, max_len]``,
-        ``inputs`` not rank 2 (before anything is traced).
+        ``inputs`` not rank 2, a search option not valid (:func:`check_search_options`),
+        all before anything is traced.
     """
     _check_method(method)
     max_len = check_decode_len(config, max_len)
+    banned_ids = check_search_options(config, beam_style, early_stopping, forced_eos, banned_ids)
     mesh = default_mesh() if mesh is None else mesh
     if not hasattr(inputs, "shape"):  # nested lists
         inputs = np.asarray(inputs, np.int32)
@@ -538,6 +618,10 @@ def generate(
         max_len=max_len,
         beam_size=beam_size,
         alpha=alpha,
+        beam_style=beam_style,
+        early_stopping=early_stopping,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -556,6 +640,10 @@ def continue_prompt(
     max_len: int | None = None,
     beam_size: int = 4,
     alpha: float = 0.6,
+    beam_style: str = "gnmt",
+    early_stopping: bool | str = False,
+    forced_eos: bool = False,
+    banned_ids: tuple[int, ...] = (),
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -574,6 +662,7 @@ def continue_prompt(
         and positions), or the arguments of :func:`generate` are wrong (before tracing).
     """
     _check_method(method)
+    banned_ids = check_search_options(config, beam_style, early_stopping, forced_eos, banned_ids)
     if not hasattr(prompt, "shape"):  # nested lists
         prompt = np.asarray(prompt, np.int32)
     if len(prompt.shape) == 2:  # else place_rows names the argument
@@ -590,6 +679,10 @@ def continue_prompt(
         max_len=max_len,
         beam_size=beam_size,
         alpha=alpha,
+        beam_style=beam_style,
+        early_stopping=early_stopping,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,

@@ -43,8 +43,8 @@ from flaxformer_lite.generate import (
     place_params,
 )
 from flaxformer_lite.models import EncoderDecoder, attention_weights_per_layer, unrolled
-from flaxformer_lite.special_ids import EOS_ID
 from flaxformer_lite.synthetic import SymbolVocabulary  # noqa: E402  (re-exported)
+from flaxformer_lite.tasks import vocabulary_ids
 
 # Source lengths are padded up to a multiple of this: few shapes, little padding.
 BUCKET = 16
@@ -61,10 +61,26 @@ __all__ = [
 
 
 class Vocabulary(Protocol):
-    """What the translator needs from a vocabulary (``tokenizer.Tokenizer`` has all of it)."""
+    """What the translator needs from a vocabulary (``tokenizer.Tokenizer``,
+    ``synthetic.SymbolVocabulary`` and ``marian_tokenizer.MarianVocabulary`` have all of it).
+
+    ``encode`` gives ids without EOS (the caller appends ``eos_id``); ``decode`` stops at the
+    first ``eos_id`` and skips ``pad_id``. A vocabulary may also have ``bos_id`` (the
+    decoder start); without one, decoding starts from ``pad_id`` (see
+    ``tasks.vocabulary_ids``).
+    """
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def unk_id(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -210,6 +226,12 @@ class Translator:
 
     A ``scan_layers`` model is converted once, here, to its unrolled equivalent
     (``models.unrolled``: same outputs), which ``config`` and ``params`` then hold.
+
+    The special ids come from ``config`` (``pad_id`` pads the sources, ``eos_id`` ends them
+    and the outputs, ``bos_id`` starts decoding): the vocabularies must have the same ones.
+
+    Raises:
+      ValueError: a vocabulary's pad, eos or decoder-start id differs from ``config``'s.
     """
 
     def __init__(
@@ -228,6 +250,15 @@ class Translator:
         self.config = config
         self.source_vocab = source_vocab
         self.target_vocab = source_vocab if target_vocab is None else target_vocab
+        used = ("pad_id", "eos_id", "bos_id")  # what encoding, decoding and trimming read
+        wanted = {name: getattr(config, name) for name in used}
+        for side, vocab in (("source", self.source_vocab), ("target", self.target_vocab)):
+            have = {name: vocabulary_ids(vocab)[name] for name in used}
+            if have != wanted:
+                raise ValueError(
+                    f"the {side} vocabulary has special ids {have} but the model config has "
+                    f"{wanted}; use the vocabulary the model was trained with"
+                )
         self.beam_size = beam_size
         self.alpha = alpha
         self.name = name
@@ -346,7 +377,8 @@ class Translator:
         return check_decode_len(self.config, max_len)
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int] | None], int]:
-        """Source ids (EOS appended, truncated to ``max_source_len``) or None for empty lines.
+        """Source ids (``config.eos_id`` appended, truncated to ``max_source_len``) or None for
+        empty lines.
 
         Returns the ids and how many lines were truncated. Whitespace is normalised as in
         training (runs of any whitespace become one space).
@@ -362,7 +394,7 @@ class Translator:
             if len(tokens) + 1 > self.max_source_len:
                 tokens = tokens[: self.max_source_len - 1]
                 truncated += 1
-            ids.append([*tokens, EOS_ID])
+            ids.append([*tokens, self.config.eos_id])
         return ids, truncated
 
     def _warn_truncated(self, truncated: int, total: int) -> None:
@@ -440,7 +472,7 @@ class Translator:
                 source_len = min(
                     _round_up(max(len(ids[i]) for i in chunk), BUCKET), self.max_source_len
                 )
-                inputs = np.zeros((rows, source_len), np.int32)
+                inputs = np.full((rows, source_len), self.config.pad_id, np.int32)
                 # Each row stops at its own limit (a function of its own length); the padded
                 # source length only sets the output width, so that few shapes compile.
                 limits = np.zeros((rows,), np.int32)
@@ -466,9 +498,18 @@ class Translator:
                     else None,
                 )
                 for row, i in enumerate(chunk):
-                    outputs[i] = " ".join(self.target_vocab.decode(tokens[row].tolist()).split())
+                    text = self.target_vocab.decode(self._until_eos(tokens[row]))
+                    outputs[i] = " ".join(text.split())
                 bar.update(len(chunk))
         return outputs
+
+    def _until_eos(self, tokens: np.ndarray) -> list[int]:
+        """The ids of one output row ``[max_len]`` before its first ``config.eos_id`` (all of
+        them when it has none): what :meth:`translate` decodes. Everything else, the
+        decoder-start id included when it equals ``pad_id``, goes to the vocabulary as is."""
+        tokens = np.asarray(tokens).tolist()
+        eos = self.config.eos_id
+        return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
     def _generate(
         self,
@@ -484,8 +525,9 @@ class Translator:
         rng: jax.Array | None = None,
         row_max_len: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Token ids `[rows, max_len]` (EOS then PAD) for source ids `[rows, src_len]`; row
-        ``r`` generates at most ``row_max_len[r]`` tokens (None: ``max_len``)."""
+        """Token ids `[rows, max_len]` (``config.eos_id``, then ``config.pad_id``) for source
+        ids `[rows, src_len]`; row ``r`` generates at most ``row_max_len[r]`` tokens (None:
+        ``max_len``)."""
         # The options are static jit arguments: give the ones a method ignores fixed values,
         # so that e.g. greedy with another beam_size does not compile again.
         if method != "beam":
@@ -540,7 +582,7 @@ class Translator:
         tokens = self._generate(
             source, method="greedy", max_len=self._decode_len(source.shape[1], max_len)
         )[0]
-        eos = np.flatnonzero(tokens == EOS_ID)
+        eos = np.flatnonzero(tokens == self.config.eos_id)
         target = tokens[: eos[0] + 1] if eos.size else tokens
         decoder_inputs = np.concatenate([[self.config.bos_id], target[:-1]]).astype(np.int32)
         enc, dec = _attention_weights(

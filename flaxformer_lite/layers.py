@@ -200,6 +200,14 @@ class MultiHeadAttention(nn.Module):
     Writing past ``max_len`` raises (see ``check_cache_room``) instead of overwriting the last
     slot.
 
+    ``window`` (restricted self-attention, causal: position p sees p - window .. p) applies to
+    decoding only (without a cache the window comes in the ``AttentionMask``). When the cache
+    is allocated for at least ``window`` positions it becomes a ring buffer of ``window``
+    slots (position p in slot p % window): a step attends to the ring (the ``window`` positions
+    before it) followed by its own new keys, then writes them over the oldest slots. The cache
+    is then ``[batch, window, kv_heads, head_dim]`` whatever ``max_len``, and decoding may go
+    on past ``max_len`` (as far as the positions allow).
+
     Attention weights `[batch, heads, q_len, kv_len]` (float32) are sown as
     ``intermediates/.../attention_weights`` when the caller makes that collection mutable
     (``apply(..., mutable=["intermediates"])``); otherwise nothing is computed or kept for them.
@@ -218,6 +226,7 @@ class MultiHeadAttention(nn.Module):
     cross_attention: bool = False
     fused_qkv: bool = False
     implementation: str = "xla"
+    window: int | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -377,11 +386,18 @@ class MultiHeadAttention(nn.Module):
         """Writes the new keys/values `[batch, q_len, kv_heads, head_dim]` at cache slots
         ``positions_q[0]``; returns the whole cache and its causal mask."""
         initialized = self.has_variable("cache", "cached_key")
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        shape = key.shape
+        if self.window is not None and shape[1] >= self.window:
+            shape = (shape[0], self.window, *shape[2:])  # a ring buffer (see the class docstring)
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
         if not initialized:  # the init call only allocates the cache
             return key, value, mask
         q_len, max_len = key.shape[1], cached_key.value.shape[1]
+        if self.window is not None and max_len == self.window and q_len:
+            if positions_q is None:
+                raise ValueError("decode=True self-attention needs positions_q `[batch, q_len]`")
+            return self._update_ring(cached_key, cached_value, key, value, mask, positions_q)
         if q_len == 0:  # nothing to write (a call that only fills the cross-attention cache)
             return cached_key.value, cached_value.value, mask
         if positions_q is None:
@@ -400,9 +416,48 @@ class MultiHeadAttention(nn.Module):
             cached_value.value, value.astype(cached_value.value.dtype), (zero, index, zero, zero)
         )
         # New query i (absolute position index + i) sees cached positions <= index + i.
-        causal = jnp.arange(max_len)[None, :] <= positions[:, None]
-        mask = combine_masks(mask, causal[None, None])
+        distance = positions[:, None] - jnp.arange(max_len)[None, :]  # [q_len, max_len]
+        allowed = distance >= 0
+        if self.window is not None:  # a cache shorter than the window: nothing falls out yet
+            allowed = allowed & (distance <= self.window)
+        mask = combine_masks(mask, allowed[None, None])
         return cached_key.value, cached_value.value, mask
+
+    def _update_ring(
+        self,
+        cached_key: Any,
+        cached_value: Any,
+        key: Array,
+        value: Array,
+        mask: Array | None,
+        positions_q: Array,
+    ) -> tuple[Array, Array, Array | None]:
+        """Sliding-window decoding from a ring buffer of ``window`` slots.
+
+        cached_key/cached_value: the "cache" variables `[batch, window, kv_heads, head_dim]`,
+        slot s holding the newest position p < index with p % window == s. key/value: the new
+        `[batch, q_len, kv_heads, head_dim]` at positions index .. index + q_len - 1
+        (``positions_q[0]``). Returns keys/values `[batch, window + q_len, ...]` (the ring, then
+        the new ones) and the mask `[1, 1, q_len, window + q_len]` (combined with ``mask``) of
+        the causal window over them, and writes the new keys over the oldest slots.
+        """
+        ring = self.window
+        positions = positions_q[0].astype(jnp.int32)  # [q_len]
+        index, last = positions[0], positions[-1]
+        slots = jnp.arange(ring, dtype=jnp.int32)
+        held = (index - 1) - jnp.mod(index - 1 - slots, ring)  # position in slot s; < 0: empty
+        key_positions = jnp.concatenate([held, positions])  # [window + q_len]
+        distance = positions[:, None] - key_positions[None, :]
+        allowed = (key_positions[None, :] >= 0) & (distance >= 0) & (distance <= ring)
+        keys = jnp.concatenate([cached_key.value, key.astype(cached_key.value.dtype)], axis=1)
+        values = jnp.concatenate([cached_value.value, value.astype(cached_value.value.dtype)], 1)
+        # After the write slot s holds the newest position <= last in its residue class: a new
+        # one (at ring + its offset in the concatenation) or the one it held.
+        newest = last - jnp.mod(last - slots, ring)
+        source = jnp.where(newest >= index, ring + newest - index, slots)  # [window]
+        cached_key.value = jnp.take(keys, source, axis=1)
+        cached_value.value = jnp.take(values, source, axis=1)
+        return keys, values, combine_masks(mask, allowed[None, None])
 
 
 def _raise_cache_full(index: Any, *, q_len: int, max_len: int) -> None:
@@ -545,7 +600,9 @@ def residual(
     return x + y if pre_norm else norm(x + y)
 
 
-def _attention(config: TransformerConfig, name: str, *, cross: bool = False) -> MultiHeadAttention:
+def _attention(
+    config: TransformerConfig, name: str, *, cross: bool = False, window: int | None = None
+) -> MultiHeadAttention:
     return MultiHeadAttention(
         num_heads=config.num_heads,
         head_dim=config.effective_head_dim,
@@ -558,6 +615,7 @@ def _attention(config: TransformerConfig, name: str, *, cross: bool = False) -> 
         cross_attention=cross,
         fused_qkv=config.fused_qkv and not cross,
         implementation=config.attention_implementation,
+        window=window,
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
         name=name,
@@ -656,7 +714,7 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
-        self_attn = _attention(cfg, "self_attention")
+        self_attn = _attention(cfg, "self_attention", window=cfg.self_attention_window("decoder"))
 
         def self_attention(h: Array) -> Array:
             return self_attn(

@@ -16,7 +16,7 @@ from flaxformer_lite.batch_stream import BatchStream
 from flaxformer_lite.batching import Batch, lm_batches
 from flaxformer_lite.data import DataError, DataStats, load_text, normalize
 from flaxformer_lite.encoding import lm_token_stream
-from flaxformer_lite.tasks import Task
+from flaxformer_lite.tasks import Task, vocabulary_ids
 from flaxformer_lite.workdir_data import vocabulary
 
 # Tokens of held-out text that open the sample printed at each evaluation (train.py).
@@ -99,11 +99,18 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
 
     def make_batches(epoch: int) -> list[Batch]:
         return lm_batches(
-            train_tokens, seq_len=seq_len, batch_size=rows, seed=config.seed, epoch=epoch
+            train_tokens,
+            seq_len=seq_len,
+            batch_size=rows,
+            pad_id=tokenizer.pad_id,
+            seed=config.seed,
+            epoch=epoch,
         )
 
     stream = BatchStream(make_batches, process_index=process_index, process_count=process_count)
-    evals = lm_batches(eval_tokens, seq_len=seq_len, batch_size=rows, seed=0, epoch=0)
+    evals = lm_batches(
+        eval_tokens, seq_len=seq_len, batch_size=rows, pad_id=tokenizer.pad_id, seed=0, epoch=0
+    )
     return Task(
         kind="lm",
         train=stream,
@@ -112,6 +119,7 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
         target_vocab_size=None,
         max_len=seq_len,
         detokenize=tokenizer.decode_lines,  # EOS marks line ends in the LM stream
+        special_ids=vocabulary_ids(tokenizer),
         metric="perplexity",
         log_lines=[
             f"{stats.summary()}; {len(train_tokens)} training and {len(eval_tokens)} held-out "

@@ -17,10 +17,11 @@ A packed decoder example: two sequences packed in one row,
     5    0 0 0 0 0 0      <- padding attends to nothing (its output is zero)
 
 The models do not build these `[batch, 1, n, n]` matrices themselves: they describe the mask as an
-``AttentionMask`` (causal flag, query/key validity, segment ids: all O(length)), and each attention
-implementation takes what it can use -- the reference path materialises ``AttentionMask.dense``,
-blockwise attention builds each block's mask from indices and skips future key blocks, cuDNN gets
-``is_causal`` and sequence lengths.
+``AttentionMask`` (causal flag, local window, query/key validity, segment ids: all O(length)), and
+each attention implementation takes what it can use -- the reference path materialises
+``AttentionMask.dense``, blockwise attention builds each block's mask from indices and skips future
+key blocks and those outside the window, cuDNN gets ``is_causal``, a sliding window and sequence
+lengths.
 """
 
 from __future__ import annotations
@@ -75,8 +76,11 @@ def local_mask(length: int, window: int) -> Array:
     """Restricted self-attention: position i sees the positions j with |i - j| <= window.
 
     This is the paper's "self-attention (restricted)" of neighbourhood size r (its Table 1),
-    which brings the cost per layer from O(n^2 d) to O(r n d). Combine with ``causal_mask``
-    for a decoder. Returns bool `[1, 1, length, length]`.
+    which brings the cost per layer from O(n^2 d) to O(r n d). ``window`` is r *on each side*:
+    a query sees up to 2r + 1 keys (itself, r before, r after); combined with ``causal_mask``
+    (a decoder's sliding window) it sees itself and the r before it. The same convention as
+    ``AttentionMask.window`` and ``TransformerConfig.attention_window``.
+    Returns bool `[1, 1, length, length]`.
     """
     if window < 0:
         raise ValueError(f"window must be >= 0; got {window}")
@@ -111,10 +115,13 @@ class AttentionMask:
       key_valid          bool `[batch, kv_len]`: False keys are never attended to
       query_segment_ids  int `[batch, q_len]` and key_segment_ids int `[batch, kv_len]`
                          (given together): same segment, and the query's segment is not 0
+      window             |i - j| <= window (static int, r keys on each side; ``local_mask``);
+                         with ``causal`` a sliding window: i - window <= j <= i
 
     ``dense(q_len, kv_len)`` gives exactly what ``combine_masks`` of ``padding_mask``,
-    ``causal_mask`` and ``segment_mask`` would. A pytree (``causal`` is static metadata), so it
-    passes through ``jit``, ``nn.scan`` and ``nn.remat`` like an array.
+    ``causal_mask``, ``segment_mask`` and ``local_mask`` would. A pytree (``causal`` and
+    ``window`` are static metadata), so it passes through ``jit``, ``nn.scan`` and ``nn.remat``
+    like an array.
     """
 
     query_valid: Array | None = None
@@ -122,6 +129,7 @@ class AttentionMask:
     query_segment_ids: Array | None = None
     key_segment_ids: Array | None = None
     causal: bool = False
+    window: int | None = None
 
     def check(self) -> None:
         """Fails on parts that cannot describe a mask (called by the attention functions, not
@@ -140,6 +148,8 @@ class AttentionMask:
             value = getattr(self, name)
             if value is not None and jnp.asarray(value).dtype != jnp.bool_:
                 raise ValueError(f"AttentionMask.{name} must be boolean; got {value.dtype}")
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 0):
+            raise ValueError(f"AttentionMask.window must be None or an int >= 0; got {self.window}")
 
     def dense(self, q_len: int, kv_len: int) -> Array | None:
         """bool, broadcastable to `[batch, 1, q_len, kv_len]`; None when nothing is masked."""
@@ -152,11 +162,14 @@ class AttentionMask:
             parts.append(jnp.asarray(self.key_valid)[:, None, None, :])
         if self.query_segment_ids is not None:
             parts.append(segment_mask(self.query_segment_ids, self.key_segment_ids))
+        if self.window is not None:
+            distance = jnp.arange(q_len)[:, None] - jnp.arange(kv_len)[None, :]
+            parts.append((jnp.abs(distance) <= self.window)[None, None])
         return combine_masks(*parts)
 
 
 jax.tree_util.register_dataclass(
     AttentionMask,
     data_fields=["query_valid", "key_valid", "query_segment_ids", "key_segment_ids"],
-    meta_fields=["causal"],
+    meta_fields=["causal", "window"],
 )

@@ -256,6 +256,7 @@ class Encoder(nn.Module):
             key_valid=real,
             query_segment_ids=inputs_segmentation,
             key_segment_ids=inputs_segmentation,
+            window=cfg.self_attention_window("encoder"),
         )
         x = layer_stack(
             lambda name, i: EncoderLayer(
@@ -325,6 +326,7 @@ class Decoder(nn.Module):
                 causal=True,
                 query_segment_ids=targets_segmentation,
                 key_segment_ids=targets_segmentation,
+                window=cfg.self_attention_window("decoder"),
             )
         cross_mask = None
         if self.cross_attention:

@@ -80,6 +80,7 @@ def plan_packing(
     *,
     length: int,
     rows_per_batch: int,
+    pad_id: int,
     seed: int = 0,
     epoch: int = 0,
     shuffle: bool = True,
@@ -106,6 +107,7 @@ def plan_packing(
         row_splits,
         length=length,
         rows=rows_per_batch,
+        pad_id=pad_id,
         packed=True,
     )
 
@@ -115,6 +117,7 @@ def pack_examples(
     *,
     length: int,
     rows_per_batch: int,
+    pad_id: int,
     seed: int = 0,
     epoch: int = 0,
     shuffle: bool = True,
@@ -124,7 +127,7 @@ def pack_examples(
     Examples (shuffled with the ``(seed, epoch)`` RNG) go, whole, to the first row where
     both their inputs and their targets still fit. Keys of each batch, all
     ``[rows_per_batch, length]`` int32:
-      inputs, targets: concatenated token ids, PAD after the last segment;
+      inputs, targets: concatenated token ids, ``pad_id`` after the last segment;
       inputs_segmentation, targets_segmentation: 1..n for the n examples of a row (the same
         id on both sides, so target segment k attends input segment k), 0 on padding;
       inputs_position, targets_position: position inside the segment (restarts at 0), 0 on
@@ -140,6 +143,7 @@ def pack_examples(
         tgt_len,
         length=length,
         rows_per_batch=rows_per_batch,
+        pad_id=pad_id,
         seed=seed,
         epoch=epoch,
         shuffle=shuffle,

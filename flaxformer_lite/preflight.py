@@ -439,8 +439,8 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, 
 
 def _model_changes(config: Any, saved: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """Fields of the workdir's model_config.json the new run would write differently; the
-    data-derived ones (vocabulary sizes, and max_len / share_embeddings when the data sets
-    them) are left to the data keys of config.json."""
+    data-derived ones (vocabulary sizes, and max_len / share_embeddings / the special ids when
+    the data sets them) are left to the data keys of config.json."""
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     new = {**defaults, **expected_model_fields(config, 1, 1)}
     derived = set(DATA_MODEL_KEYS)
@@ -448,6 +448,9 @@ def _model_changes(config: Any, saved: Mapping[str, Any]) -> dict[str, tuple[Any
         derived.add("max_len")
     if "share_embeddings" not in config.model:
         derived.add("share_embeddings")
+    # The special ids are the vocabulary's (train.model_config), and a resumed run reuses the
+    # vocabulary of its workdir.
+    derived.update(k for k in ("pad_id", "eos_id", "bos_id", "unk_id") if k not in config.model)
     changes = {}
     for key in sorted(set(saved) | set(new)):
         if key in derived:

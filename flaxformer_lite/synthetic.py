@@ -21,8 +21,8 @@ import numpy as np
 
 from flaxformer_lite import paths
 from flaxformer_lite.data import DataError
-from flaxformer_lite.special_ids import EOS_ID, SPECIAL_PIECES, UNK_ID
-from flaxformer_lite.tasks import Task
+from flaxformer_lite.special_ids import BOS_ID, EOS_ID, PAD_ID, SPECIAL_PIECES, UNK_ID
+from flaxformer_lite.tasks import Task, vocabulary_ids
 
 TASKS = ("reverse", "sort", "add")
 FIRST_SYMBOL = len(SPECIAL_PIECES)  # after pad, EOS, BOS, UNK
@@ -39,6 +39,9 @@ class SymbolVocabulary:
     characters outside the vocabulary to UNK, as SentencePiece does.
     """
 
+    # The project's layout (``special_ids``): the ids every synthetic run is trained with.
+    pad_id, eos_id, bos_id, unk_id = PAD_ID, EOS_ID, BOS_ID, UNK_ID
+
     def __init__(self, symbols: str) -> None:
         if not symbols or len(set(symbols)) != len(symbols):
             raise ValueError(f"symbols must be distinct characters; got {symbols!r}")
@@ -50,14 +53,14 @@ class SymbolVocabulary:
         return FIRST_SYMBOL + len(self.symbols)
 
     def encode(self, text: str) -> list[int]:
-        return [self._ids.get(c, UNK_ID) for c in text if not c.isspace()]
+        return [self._ids.get(c, self.unk_id) for c in text if not c.isspace()]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Symbols up to the first EOS; PAD, BOS and UNK print nothing."""
         out = []
         for i in ids:
             i = int(i)
-            if i == EOS_ID:
+            if i == self.eos_id:
                 break
             if FIRST_SYMBOL <= i < self.vocab_size:
                 out.append(self.symbols[i - FIRST_SYMBOL])
@@ -72,7 +75,7 @@ class SymbolVocabulary:
             elif i < self.vocab_size:
                 pieces.append(self.symbols[i - FIRST_SYMBOL])
             else:
-                pieces.append(SPECIAL_PIECES[UNK_ID])
+                pieces.append(SPECIAL_PIECES[self.unk_id])
         return pieces
 
     def __repr__(self) -> str:
@@ -118,11 +121,14 @@ class SyntheticTask:
         return seq, target
 
     def _pack(self, pairs: list[tuple[list[int], list[int]]]) -> dict[str, np.ndarray]:
-        inputs = np.zeros((len(pairs), self.input_len), np.int32)
-        targets = np.zeros((len(pairs), self.target_len), np.int32)
+        """``inputs`` [n, input_len] and ``targets`` [n, target_len]: each sequence, then the
+        vocabulary's EOS, then its PAD."""
+        eos, pad = self.vocab.eos_id, self.vocab.pad_id
+        inputs = np.full((len(pairs), self.input_len), pad, np.int32)
+        targets = np.full((len(pairs), self.target_len), pad, np.int32)
         for i, (x, y) in enumerate(pairs):
-            inputs[i, : len(x) + 1] = [*x, EOS_ID]
-            targets[i, : len(y) + 1] = [*y, EOS_ID]
+            inputs[i, : len(x) + 1] = [*x, eos]
+            targets[i, : len(y) + 1] = [*y, eos]
         return {"inputs": inputs, "targets": targets}
 
     def eval_batch(self, num_examples: int, seed: int) -> dict[str, np.ndarray]:
@@ -163,7 +169,8 @@ class SyntheticStream:
                 f"({process_count})"
             )
         self.task, self.batch_size, self.seed = task, batch_size, seed
-        self.exclude = set() if exclude is None else {tuple(r[r > 0]) for r in exclude}
+        pad = task.vocab.pad_id
+        self.exclude = set() if exclude is None else {tuple(r[r != pad]) for r in exclude}
         self.process_index, self.process_count = process_index, process_count
         self.index = 0
 
@@ -172,7 +179,7 @@ class SyntheticStream:
         pairs = []
         while len(pairs) < self.batch_size:
             x, y = self.task.example(rng)
-            if (*x, EOS_ID) not in self.exclude:
+            if (*x, self.task.vocab.eos_id) not in self.exclude:
                 pairs.append((x, y))
         full = self.task._pack(pairs)
         rows = self.batch_size // self.process_count
@@ -248,7 +255,9 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
     rows = config.batch_size
     evals = []
     for sl in _chunks(s.num_eval, rows):
-        batch = {k: np.zeros((rows, v.shape[1]), np.int32) for k, v in held_out.items()}
+        batch = {
+            k: np.full((rows, v.shape[1]), gen.vocab.pad_id, np.int32) for k, v in held_out.items()
+        }
         for k, v in held_out.items():
             batch[k][: sl.stop - sl.start] = v[sl]
         evals.append(batch)
@@ -263,6 +272,7 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
         decode_references=[b["targets"] for b in evals],
         detokenize=gen.vocab.decode,
         source_detokenize=gen.vocab.decode,
+        special_ids=vocabulary_ids(gen.vocab),
         metric="exact_match",
         log_lines=[
             f"synthetic task {s.name!r}: lengths {s.min_len}-{s.max_len}, "

@@ -2,7 +2,9 @@
 
 The special ids are the project's (``special_ids``, re-exported here): ``PAD_ID=0``
 (padding, zero loss weight), ``EOS_ID=1`` (appended to every sequence), ``BOS_ID=2`` (the
-first decoder input) and ``UNK_ID=3``.
+first decoder input) and ``UNK_ID=3``. A :class:`Tokenizer` exposes them as ``pad_id``,
+``eos_id``, ``bos_id`` and ``unk_id``, which is what the data pipeline and the translator
+read (another vocabulary, e.g. Marian's, has other ids).
 """
 
 from __future__ import annotations
@@ -137,6 +139,26 @@ class Tokenizer:
         """Number of pieces, special ones included (may be below the requested size)."""
         return self._sp.get_piece_size()
 
+    @property
+    def pad_id(self) -> int:
+        """Padding id (``special_ids.PAD_ID``: the SentencePiece model was trained with it)."""
+        return self._sp.pad_id()
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-sequence id, appended to every sequence by the data pipeline."""
+        return self._sp.eos_id()
+
+    @property
+    def bos_id(self) -> int:
+        """The decoder-start id (the first decoder input)."""
+        return self._sp.bos_id()
+
+    @property
+    def unk_id(self) -> int:
+        """Id of pieces outside the vocabulary."""
+        return self._sp.unk_id()
+
     # ------------------------------------------------------------------ encode / decode
 
     def encode(self, text: str) -> list[int]:
@@ -157,11 +179,11 @@ class Tokenizer:
         kept = []
         for i in ids:
             i = int(i)
-            if i == EOS_ID:
+            if i == self.eos_id:
                 break
-            if i in (PAD_ID, BOS_ID):
+            if i in (self.pad_id, self.bos_id):
                 continue
-            kept.append(i if 0 <= i < size else UNK_ID)
+            kept.append(i if 0 <= i < size else self.unk_id)
         return self._sp.decode(kept)
 
     def decode_lines(self, ids: Iterable[int]) -> str:
@@ -171,7 +193,7 @@ class Tokenizer:
         """
         lines: list[list[int]] = [[]]
         for i in ids:
-            if int(i) == EOS_ID:
+            if int(i) == self.eos_id:
                 lines.append([])
             else:
                 lines[-1].append(int(i))
@@ -180,7 +202,8 @@ class Tokenizer:
     def id_to_piece(self, ids: Iterable[int]) -> list[str]:
         """Piece strings of ``ids`` (e.g. attention-map axis labels); out of range -> UNK."""
         size = self.vocab_size
-        return [self._sp.id_to_piece(int(i) if 0 <= int(i) < size else UNK_ID) for i in ids]
+        unk = self.unk_id
+        return [self._sp.id_to_piece(int(i) if 0 <= int(i) < size else unk) for i in ids]
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self._path!r}, vocab_size={self.vocab_size})"

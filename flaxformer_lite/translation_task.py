@@ -38,7 +38,7 @@ from flaxformer_lite.encoding import (
     encode_pairs_to_arrays,
 )
 from flaxformer_lite.packing import plan_packing
-from flaxformer_lite.tasks import Task, local_split
+from flaxformer_lite.tasks import Task, local_split, vocabulary_ids
 from flaxformer_lite.tokenizer import Tokenizer
 from flaxformer_lite.workdir_data import (
     CACHE_DIR,
@@ -187,6 +187,7 @@ def build_translation_data(
         for path, side in zip(vocab_paths, sides, strict=True)
     ]
     src_tokenizer, tgt_tokenizer = tokenizers[0], tokenizers[-1]
+    pad_id = vocabulary_ids(src_tokenizer, tgt_tokenizer)["pad_id"]
 
     max_len = config.max_len
     key = {
@@ -253,7 +254,13 @@ def build_translation_data(
 
         def make_plans(epoch: int) -> list[BatchPlan]:
             return plan_packing(
-                in_len, tgt_len, length=max_len, rows_per_batch=rows, seed=seed, epoch=epoch
+                in_len,
+                tgt_len,
+                length=max_len,
+                rows_per_batch=rows,
+                pad_id=pad_id,
+                seed=seed,
+                epoch=epoch,
             )
     else:
         lengths = np.maximum(in_len, tgt_len)
@@ -263,6 +270,7 @@ def build_translation_data(
                 lengths,
                 tokens_per_batch=tokens_per_batch,
                 boundaries=boundaries,
+                pad_id=pad_id,
                 batch_size_multiple=multiple,
                 seed=seed,
                 epoch=epoch,
@@ -281,6 +289,7 @@ def build_translation_data(
         eval_examples,
         tokens_per_batch=tokens_per_batch,
         boundaries=boundaries,
+        pad_id=pad_id,
         batch_size_multiple=multiple,
         shuffle=False,
         with_index=True,
@@ -327,6 +336,7 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
         decode_references=refs,
         detokenize=d.tgt_tokenizer.decode,
         source_detokenize=d.src_tokenizer.decode,
+        special_ids=vocabulary_ids(d.src_tokenizer, d.tgt_tokenizer),
         metric="bleu",
         log_lines=[
             f"train: {d.stats.summary()}",

@@ -20,8 +20,7 @@ import numpy as np
 
 from flaxformer_lite import EncoderDecoder, TransformerConfig, sharding, tasks
 from flaxformer_lite.checkpoints import Checkpointer
-
-PAD_ID, EOS_ID, FIRST_SYMBOL = 0, 1, 4
+from flaxformer_lite.synthetic import FIRST_SYMBOL, SymbolVocabulary
 
 
 @functools.cache
@@ -30,24 +29,26 @@ def _forward(model: EncoderDecoder):
 
 
 def naive_greedy(model: EncoderDecoder, params, inputs: np.ndarray, steps: int):
-    """Greedy tokens `[rows, steps]` (EOS, then PAD) from the full forward pass on the targets
-    decoded so far: the model shifts them right behind BOS and is causal, so the logits at
-    position t see only tokens before t (later positions hold PAD and do not matter).
+    """Greedy tokens `[rows, steps]` (``model.config``'s EOS, then its PAD) from the full
+    forward pass on the targets decoded so far: the model shifts them right behind BOS and is
+    causal, so the logits at position t see only tokens before t (later positions hold PAD and
+    do not matter).
 
     Returns (tokens, margin `[rows]`: the smallest top-1 minus top-2 logit of each row's
     choices, which says how far float rounding is from flipping one)."""
     apply = _forward(model)
+    pad, eos = model.config.pad_id, model.config.eos_id
     rows = inputs.shape[0]
-    tokens = np.full((rows, steps), PAD_ID, np.int32)
+    tokens = np.full((rows, steps), pad, np.int32)
     margin = np.full(rows, np.inf)
     done = np.zeros(rows, bool)
     for t in range(steps):
         logits = np.asarray(apply(params, jnp.asarray(inputs), jnp.asarray(tokens)))[:, t]
         top2 = np.sort(logits, axis=-1)[:, -2:]
         margin = np.where(done, margin, np.minimum(margin, top2[:, 1] - top2[:, 0]))
-        token = np.where(done, PAD_ID, logits.argmax(-1)).astype(np.int32)
+        token = np.where(done, pad, logits.argmax(-1)).astype(np.int32)
         tokens[:, t] = token
-        done |= token == EOS_ID
+        done |= token == eos
         if done.all():
             break
     return tokens, margin
@@ -79,18 +80,26 @@ def decode_all(task, model, params):
     return out
 
 
-def exact_match(tokens: list[np.ndarray], targets: list[np.ndarray]) -> float:
-    """The share of real (not all-PAD) target rows that ``tokens`` equal exactly, NumPy only."""
+def exact_match(tokens: list[np.ndarray], targets: list[np.ndarray], pad_id: int) -> float:
+    """The share of real (not all-``pad_id``) target rows that ``tokens`` equal exactly, NumPy
+    only."""
     hits = [
         bool((np.asarray(got)[row] == want[row]).all())
         for got, want in zip(tokens, targets, strict=True)
         for row in range(len(want))
-        if want[row].any()
+        if (want[row] != pad_id).any()
     ]
     return float(np.mean(hits))
 
 
-def check_decoding_eval(recorded, decoded, metric: float, min_margin: float = 1e-4) -> None:
+def check_decoding_eval(
+    recorded,
+    decoded,
+    metric: float,
+    min_margin: float = 1e-4,
+    *,
+    pad_id: int = SymbolVocabulary.pad_id,  # a synthetic run's
+) -> None:
     """Asserts train.py's decoded tokens of its last evaluation (``recorded``: what its
     ``greedy_decode_in_order`` returned, per batch) equal the naive ones on every real row
     whose choices were not near-ties (at least 90% of rows), and its ``eval/exact_match`` is
@@ -100,12 +109,12 @@ def check_decoding_eval(recorded, decoded, metric: float, min_margin: float = 1e
     for got, (tokens, targets, margin) in zip(recorded, decoded, strict=True):
         got = np.asarray(got)
         assert got.shape == tokens.shape, (got.shape, tokens.shape)
-        real = targets.any(axis=1)
+        real = (targets != pad_id).any(axis=1)
         clear = real & (margin > min_margin)
         np.testing.assert_array_equal(got[clear], tokens[clear])
         compared, total = compared + int(clear.sum()), total + int(real.sum())
     assert compared >= 0.9 * total, f"only {compared} of {total} rows are clear of near-ties"
-    assert metric == exact_match(recorded, [targets for _, targets, _ in decoded])
+    assert metric == exact_match(recorded, [targets for _, targets, _ in decoded], pad_id)
 
 
 def check_decode_metric_on_diverse_outputs(train, recorded: list, task, model, params) -> float:
@@ -124,6 +133,7 @@ def check_decode_metric_on_diverse_outputs(train, recorded: list, task, model, p
 
     params = jax.tree_util.tree_map_with_path(redraw, params)
     decoded = decode_all(task, model, params)
+    pad = model.config.pad_id
     references = []
     for tokens, targets, _ in decoded:
         refs = tokens.copy()
@@ -131,14 +141,15 @@ def check_decode_metric_on_diverse_outputs(train, recorded: list, task, model, p
         where = (odd // 2) % refs.shape[1]  # one token off, at a position that varies
         symbols = model.config.vocab_size - FIRST_SYMBOL
         refs[odd, where] = FIRST_SYMBOL + (refs[odd, where] + 1) % symbols
-        refs[~targets.any(axis=1)] = PAD_ID  # padding rows of the eval set stay padding
+        refs[~(targets != pad).any(axis=1)] = pad  # padding rows of the eval set stay padding
         references.append(refs)
-    rows = np.concatenate([t for t, _, _ in decoded])[np.concatenate(references).any(axis=1)]
+    real = (np.concatenate(references) != pad).any(axis=1)
+    rows = np.concatenate([t for t, _, _ in decoded])[real]
     # Rows decode differently, neighbours too: a decoder that mixes rows up gets caught.
     distinct = len({tuple(r) for r in rows})
     changes = int((rows[1:] != rows[:-1]).any(axis=1).sum())
     assert distinct >= 3 and changes >= len(rows) // 4, (len(rows), distinct, changes)
-    expected = exact_match([t for t, _, _ in decoded], references)
+    expected = exact_match([t for t, _, _ in decoded], references, pad)
     assert 0.3 < expected < 0.7, expected
     task = dataclasses.replace(task, decode_references=references)
     mesh = sharding.make_mesh((-1, 1, 1))
@@ -148,6 +159,7 @@ def check_decode_metric_on_diverse_outputs(train, recorded: list, task, model, p
         recorded,
         [(t, r, m) for (t, _, m), r in zip(decoded, references, strict=True)],
         metrics["eval/exact_match"],
+        pad_id=pad,
     )
     assert metrics["eval/exact_match"] == expected
     return expected

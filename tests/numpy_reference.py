@@ -8,8 +8,10 @@ final norm), the feed-forward max(0, xW1 + b1)W2 + b2 (equation 2) and the pre-s
 projection tied to the embedding (section 3.4). Options beyond the paper follow their own
 papers: gated FFNs act(xW) * (xV) W2 (Shazeer 2020, GELU in its tanh form as in T5/GPT-2),
 RMSNorm (Zhang & Sennrich 2019), rotary embeddings (RoFormer, Su et al. 2021) and grouped-query
-attention (Ainslie et al. 2023: query head h reads key/value head h // (heads / kv_heads)). Heads
-are d_k = d_v = ``head_dim`` wide when the config sets it (the paper: d_model / h), so attention
+attention (Ainslie et al. 2023: query head h reads key/value head h // (heads / kv_heads)).
+Restricted self-attention (the paper's Table 1, neighbourhood r = ``attention_window``): query i
+sees keys j with |i - j| <= r, in the stacks ``attention_window_layers`` names. Heads are
+d_k = d_v = ``head_dim`` wide when the config sets it (the paper: d_model / h), so attention
 is h * d_k wide between its projections and d_model wide outside them.
 
 Nothing here imports flaxformer_lite or jax. The inputs are a nested mapping of parameters (the
@@ -261,10 +263,19 @@ def _positions(tokens: np.ndarray) -> np.ndarray:
     return np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
 
 
+def _window(cfg: Any, stack: str, n: int) -> np.ndarray:
+    """bool `[1, n, n]`: |i - j| <= r where ``stack``'s self-attention is restricted, else all."""
+    r = getattr(cfg, "attention_window", None)
+    if r is None or getattr(cfg, "attention_window_layers", "both") not in ("both", stack):
+        return np.ones((1, n, n), bool)
+    i = np.arange(n)
+    return (np.abs(i[:, None] - i[None, :]) <= r)[None]
+
+
 def encoder(cfg: Any, p: Params, table: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """int `[b, s]` -> `[b, s, d_model]`; padding keys are masked out."""
     real = tokens != cfg.pad_id
-    allowed = real[:, None, :] & real[:, :, None]
+    allowed = real[:, None, :] & real[:, :, None] & _window(cfg, "encoder", tokens.shape[1])
     rot = _positions(tokens) if cfg.position == "rotary" else None
     x = embed(cfg, table, p, tokens)
     for lp in layer_params(p, cfg.num_encoder_layers):
@@ -294,7 +305,7 @@ def decoder(
     `[b, s]`) -> final hidden states `[b, t, d_model]`. Self-attention is causal (which alone
     keeps real positions off padding); encoder-decoder attention skips padded source positions."""
     n = decoder_inputs.shape[1]
-    causal = np.tril(np.ones((n, n), bool))[None]
+    causal = np.tril(np.ones((n, n), bool))[None] & _window(cfg, "decoder", n)
     # Causal only: every key at or before a real position is real (or the decoder-start token,
     # which Marian makes the pad id), as in Hugging Face's decoders.
     self_allowed = np.broadcast_to(causal, (decoder_inputs.shape[0], n, n))

@@ -35,12 +35,14 @@ from flaxformer_lite.data import (  # noqa: E402
 )
 from flaxformer_lite.encoding import EncodedPairs, encode_labeled, encode_pairs  # noqa: E402
 from flaxformer_lite.packing import first_fit_rows, pack_examples  # noqa: E402
-from flaxformer_lite.special_ids import EOS_ID  # noqa: E402
+from flaxformer_lite.special_ids import EOS_ID, PAD_ID  # noqa: E402
 from flaxformer_lite.translation_task import build_translation_data  # noqa: E402
 
 
 class DigitTokenizer:
     """Stand-in tokenizer: "5 6 7" -> [5, 6, 7], so expected ids are written by hand."""
+
+    pad_id, eos_id = PAD_ID, EOS_ID
 
     def encode_batch(self, texts):
         return [[int(w) for w in t.split()] for t in texts]
@@ -268,7 +270,12 @@ SHAPES = {(8, 8), (4, 16), (2, 24)}  # rows_for_length(L, 64, 2) for each L
 
 
 def bucketed(examples, **kw):
-    args = {"tokens_per_batch": 64, "boundaries": BOUNDS, "batch_size_multiple": 2}
+    args = {
+        "tokens_per_batch": 64,
+        "boundaries": BOUNDS,
+        "batch_size_multiple": 2,
+        "pad_id": PAD_ID,
+    }
     return batch_by_tokens(examples, **{**args, **kw})
 
 
@@ -339,8 +346,8 @@ def test_padding_fraction():
         {"targets": np.asarray([[5, 1], [0, 0]], np.int32)},
         {"targets": np.asarray([[5, 6, 7, 1]], np.int32)},
     ]
-    assert padding_fraction(batches) == pytest.approx(2 / 8)
-    assert padding_fraction([]) == 0.0
+    assert padding_fraction(batches, PAD_ID) == pytest.approx(2 / 8)
+    assert padding_fraction([], PAD_ID) == 0.0
 
 
 # ============================================================================ packing
@@ -358,7 +365,7 @@ def test_packing_hand_written_case():
         ex([12, 1], [13, 1]),  # first fit: back to row 0, which it fills exactly
         ex([14, 15, 1], [16, 1]),  # fits neither -> row 2 (second batch)
     ]
-    batches = pack_examples(examples, length=7, rows_per_batch=2, shuffle=False)
+    batches = pack_examples(examples, length=7, rows_per_batch=2, pad_id=PAD_ID, shuffle=False)
     assert len(batches) == 2
     expected_0 = {
         "inputs": [[5, 6, 1, 8, 1, 12, 1], [4, 4, 4, 4, 1, 0, 0]],
@@ -386,7 +393,7 @@ def test_packing_hand_written_case():
 
 def test_packing_never_splits_examples():
     examples = random_examples(120, seed=5, max_len=12)
-    batches = pack_examples(examples, length=32, rows_per_batch=4, seed=1, epoch=2)
+    batches = pack_examples(examples, length=32, rows_per_batch=4, pad_id=PAD_ID, seed=1, epoch=2)
     recovered = []
     for b in batches:
         assert all(v.shape == (4, 32) for v in b.values())
@@ -402,7 +409,7 @@ def test_packing_never_splits_examples():
                 recovered.append((tuple(src.tolist()), tuple(tgt.tolist())))
     original = [(tuple(e["inputs"].tolist()), tuple(e["targets"].tolist())) for e in examples]
     assert sorted(recovered) == sorted(original)
-    assert padding_fraction(batches) < 0.2  # packs much tighter than one example per row
+    assert padding_fraction(batches, PAD_ID) < 0.2  # packs much tighter than one example per row
 
 
 def old_pack_examples(examples, *, length, rows_per_batch, seed=0, epoch=0, shuffle=True):
@@ -455,10 +462,13 @@ def test_packing_equals_the_old_first_fit_on_random_input(n, max_len, length, sh
     # Uncorrelated source and target lengths: the case where first fit on two sides is hardest.
     examples = random_examples(n, seed=n, max_len=max_len)
     kw = {"length": length, "rows_per_batch": 8, "seed": 3, "epoch": 1, "shuffle": shuffle}
-    assert_same_batches(pack_examples(examples, **kw), old_pack_examples(examples, **kw))
+    assert_same_batches(
+        pack_examples(examples, **kw, pad_id=PAD_ID), old_pack_examples(examples, **kw)
+    )
     # The same plan from the flat cache layout (what training reads).
     assert_same_batches(
-        pack_examples(EncodedPairs.from_examples(examples), **kw), old_pack_examples(examples, **kw)
+        pack_examples(EncodedPairs.from_examples(examples), **kw, pad_id=PAD_ID),
+        old_pack_examples(examples, **kw),
     )
 
 
@@ -473,7 +483,7 @@ def test_first_fit_rows_matches_a_scan_with_one_long_pointer_jump():
 
 def test_packing_rejects_example_longer_than_row():
     with pytest.raises(ValueError, match="longer than the packing length 4"):
-        pack_examples([ex([5, 1], [6, 6, 6, 6, 1])], length=4, rows_per_batch=2)
+        pack_examples([ex([5, 1], [6, 6, 6, 6, 1])], length=4, rows_per_batch=2, pad_id=PAD_ID)
 
 
 # ============================================================================ streaming
@@ -559,7 +569,7 @@ def test_batch_stream_rejects_uneven_rows():
 
 def test_lm_batches_windows():
     tokens = np.arange(1, 104, dtype=np.int32)  # 103 tokens
-    batches = lm_batches(tokens, seq_len=10, batch_size=4, seed=0, epoch=0)
+    batches = lm_batches(tokens, seq_len=10, batch_size=4, pad_id=PAD_ID, seed=0, epoch=0)
     assert all(b["targets"].shape == (4, 10) and b["targets"].dtype == np.int32 for b in batches)
     rows = np.concatenate([b["targets"] for b in batches])
     real = rows[rows.any(axis=1)]
@@ -571,31 +581,37 @@ def test_lm_batches_windows():
     assert sorted(starts.tolist()) == list(range(offset + 1, offset + 1 + 10 * len(real), 10))
     assert len(real) == (103 - offset) // 10  # non-overlapping, as many as fit
 
-    again = lm_batches(tokens, seq_len=10, batch_size=4, seed=0, epoch=0)
+    again = lm_batches(tokens, seq_len=10, batch_size=4, pad_id=PAD_ID, seed=0, epoch=0)
     assert all(
         np.array_equal(a["targets"], b["targets"]) for a, b in zip(batches, again, strict=True)
     )
-    other = [lm_batches(tokens, seq_len=10, batch_size=4, seed=0, epoch=e) for e in (1, 2)]
+    other = [
+        lm_batches(tokens, seq_len=10, batch_size=4, pad_id=PAD_ID, seed=0, epoch=e) for e in (1, 2)
+    ]
     assert any(not np.array_equal(np.concatenate([b["targets"] for b in o]), rows) for o in other)
 
 
 def test_classification_batches():
     examples = [(np.asarray([5, 6, 1], np.int32), 1), (np.asarray([7, 1], np.int32), 0)] * 2
     examples.append((np.asarray([8, 1], np.int32), 1))
-    batches = classification_batches(examples, max_len=4, batch_size=2, shuffle=False)
+    batches = classification_batches(
+        examples, max_len=4, batch_size=2, pad_id=PAD_ID, shuffle=False
+    )
     assert len(batches) == 3
     np.testing.assert_array_equal(batches[0]["inputs"], [[5, 6, 1, 0], [7, 1, 0, 0]])
     np.testing.assert_array_equal(batches[0]["label"], [1, 0])
     np.testing.assert_array_equal(batches[2]["inputs"], [[8, 1, 0, 0], [0, 0, 0, 0]])
     np.testing.assert_array_equal(batches[2]["weights"], [1, 0])
     assert sum(int(b["weights"].sum()) for b in batches) == 5
-    shuffled = classification_batches(examples, max_len=4, batch_size=2, seed=1, epoch=0)
+    shuffled = classification_batches(
+        examples, max_len=4, batch_size=2, pad_id=PAD_ID, seed=1, epoch=0
+    )
     labels = sorted(
         int(y) for b in shuffled for y, w in zip(b["label"], b["weights"], strict=True) if w
     )
     assert labels == [0, 0, 1, 1, 1]
     with pytest.raises(ValueError, match="max_len=2"):
-        classification_batches(examples, max_len=2, batch_size=2)
+        classification_batches(examples, max_len=2, batch_size=2, pad_id=PAD_ID)
 
 
 # ============================================================================ end to end
@@ -667,7 +683,7 @@ def test_build_translation_data_end_to_end(tmp_path):
     allowed = {(rows_for_length(L, 256, 2), L) for L in td.boundaries}
     epoch0 = td.train.epoch_batches()
     assert {b["targets"].shape for b in epoch0} <= allowed
-    assert td.padding_fraction == pytest.approx(padding_fraction(epoch0))
+    assert td.padding_fraction == pytest.approx(padding_fraction(epoch0, PAD_ID))
     assert 0.0 < td.padding_fraction < 1.0
     assert sum(int(b["targets"].any(axis=1).sum()) for b in epoch0) == 199
     batch = td.train.next()

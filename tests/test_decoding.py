@@ -123,14 +123,17 @@ def np_prefix_logprobs(tables, pos_bias, row, prefix):
     return np_log_softmax(tables[row, code] + pos_bias[len(prefix) - 1])
 
 
-def np_greedy(tables, pos_bias, rows, first, max_len):
+def np_greedy(tables, pos_bias, rows, first, max_len, *, forced_eos=False, banned=()):
+    """Greedy tokens and model log-probs; ``banned`` ids never chosen, EOS at ``max_len``
+    with ``forced_eos``."""
     tokens = np.full((len(rows), max_len), PAD_ID, np.int32)
     scores = np.zeros(len(rows))
     for b, row in enumerate(rows):
         prefix = [int(first[b])]
         for t in range(max_len):
             lp = np_prefix_logprobs(tables, pos_bias, row, prefix)
-            tok = int(np.argmax(lp))
+            allowed = np.where(np.isin(np.arange(len(lp)), banned), -np.inf, lp)
+            tok = EOS_ID if forced_eos and t == max_len - 1 else int(np.argmax(allowed))
             tokens[b, t] = tok
             scores[b] += lp[tok]
             if tok == EOS_ID:
@@ -139,15 +142,21 @@ def np_greedy(tables, pos_bias, rows, first, max_len):
     return tokens, scores
 
 
-def np_exhaustive(tables, pos_bias, row, first, max_len, alpha):
-    """All sequences over {EOS, normal tokens} ending at EOS or at max_len, best first."""
+def np_exhaustive(tables, pos_bias, row, first, max_len, alpha, *, forced_eos=False, banned=()):
+    """All sequences over {EOS, normal tokens} ending at EOS or at max_len, best first, scored
+    with GNMT's penalty. ``banned`` tokens never occur; with ``forced_eos`` a sequence at
+    max_len ends with EOS, which then costs nothing."""
     vocab = tables.shape[-1]
-    normal = [t for t in range(vocab) if t not in (PAD_ID, EOS_ID, BOS_ID)]
+    normal = [t for t in range(vocab) if t not in (PAD_ID, EOS_ID, BOS_ID, *banned)]
     results = []
 
     def rec(seq, logp):
         lp = np_prefix_logprobs(tables, pos_bias, row, [first] + seq)
+        if forced_eos and len(seq) == max_len - 1:
+            lp = np.where(np.arange(vocab) == EOS_ID, 0.0, -np.inf)
         for tok in [EOS_ID] + normal:
+            if lp[tok] == -np.inf:
+                continue
             new_seq, new_logp = seq + [tok], logp + lp[tok]
             if tok == EOS_ID or len(new_seq) == max_len:
                 penalty = ((5.0 + len(new_seq)) / 6.0) ** alpha
@@ -181,8 +190,23 @@ def make_markov_table(seed, vocab):
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "eos_id"))
-def jit_greedy(tables, pos_bias, rows, first, row_max_len=None, *, max_len, eos_id=EOS_ID):
+CONSTRAINTS = ("forced_eos", "banned_ids")
+BEAM_RULES = ("beam_style", "early_stopping")
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "eos_id", *CONSTRAINTS))
+def jit_greedy(
+    tables,
+    pos_bias,
+    rows,
+    first,
+    row_max_len=None,
+    *,
+    max_len,
+    eos_id=EOS_ID,
+    forced_eos=False,
+    banned_ids=(),
+):
     return greedy_search(
         prefix_callback(tables, pos_bias),
         prefix_cache(rows),
@@ -191,12 +215,29 @@ def jit_greedy(tables, pos_bias, rows, first, row_max_len=None, *, max_len, eos_
         eos_id=eos_id,
         initial_tokens=first,
         row_max_len=row_max_len,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "beam_size", "alpha"))
+@functools.partial(
+    jax.jit, static_argnames=("max_len", "beam_size", "alpha", *BEAM_RULES, *CONSTRAINTS)
+)
 def jit_beam(
-    tables, pos_bias, rows, first, cache=None, row_max_len=None, *, max_len, beam_size, alpha
+    tables,
+    pos_bias,
+    rows,
+    first,
+    cache=None,
+    row_max_len=None,
+    *,
+    max_len,
+    beam_size,
+    alpha,
+    beam_style="gnmt",
+    early_stopping=False,
+    forced_eos=False,
+    banned_ids=(),
 ):
     return beam_search(
         prefix_callback(tables, pos_bias),
@@ -207,6 +248,10 @@ def jit_beam(
         alpha=alpha,
         initial_tokens=first,
         row_max_len=row_max_len,
+        beam_style=beam_style,
+        early_stopping=early_stopping,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
     )
 
 
@@ -272,6 +317,11 @@ def test_length_penalty():
     np.testing.assert_allclose(length_penalty(1, 0.6), 1.0)
     np.testing.assert_allclose(length_penalty(7, 0.6), 2.0**0.6, rtol=1e-6)
     np.testing.assert_allclose(length_penalty(jnp.array([1, 13]), 1.0), [1.0, 3.0], rtol=1e-6)
+    # Hugging Face's: the length itself (EOS counted, the decoder start not).
+    np.testing.assert_allclose(length_penalty(jnp.array([1, 4]), 0.5, "hf"), [1.0, 2.0])
+    np.testing.assert_allclose(length_penalty(3, 0.0, "hf"), 1.0)
+    with pytest.raises(ValueError, match="style must be one of"):
+        length_penalty(3, 1.0, "t5")
 
 
 def test_beam_layout_helpers():
@@ -568,6 +618,158 @@ def test_beam_row_max_len_equals_each_row_decoded_alone_with_its_limit(alpha):
 
 
 # ---------------------------------------------------------------------------
+# Hugging Face's beam rules (beam_style="hf"): hand-computed cases where they and GNMT's
+# choose differently. Ids: PAD 0, EOS 1, BOS 2, normal tokens 3 and 4.
+# ---------------------------------------------------------------------------
+
+
+def run_hf(states, max_len, beam_size, alpha, early_stopping=False, beam_style="hf"):
+    """(best sequence without padding, its score, decoding steps run) for one crafted row."""
+    tables, pos_bias = crafted_tables(max_len, states)
+    (seqs, scores), calls = count_calls(
+        jit_beam,
+        tables,
+        pos_bias,
+        np.zeros(1, np.int32),
+        np.array([BOS_ID], np.int32),
+        max_len=max_len,
+        beam_size=beam_size,
+        alpha=alpha,
+        beam_style=beam_style,
+        early_stopping=early_stopping,
+    )
+    best = [int(t) for t in np.asarray(seqs)[0, 0] if t != PAD_ID]
+    return best, float(scores[0, 0]), calls
+
+
+def test_hf_length_penalty_divides_by_the_length():
+    # alpha 1, beam 2, max_len 2. Finished: [EOS] log .5 = -0.69 at length 1, [3, EOS]
+    # log .35 = -1.05 at length 2. HF: -1.05 / 2 = -0.52 wins; GNMT: -1.05 / (7/6) = -0.90
+    # loses to -0.69 / 1.
+    b = BOS_ID
+    states = {(b,): {EOS_ID: 0.5, 3: 0.35, 4: 0.15}, (b, 3): {EOS_ID: 1.0}, (b, 4): {EOS_ID: 1.0}}
+    best, score, _ = run_hf(states, max_len=2, beam_size=2, alpha=1.0)
+    assert best == [3, EOS_ID]
+    np.testing.assert_allclose(score, np.log(0.35) / 2, rtol=1e-5)
+    assert run_hf(states, max_len=2, beam_size=2, alpha=1.0, beam_style="gnmt")[0] == [EOS_ID]
+
+
+def test_hf_only_the_best_beam_candidates_may_finish():
+    # Beam 1, alpha 0, max_len 2: the 2 candidates of step 0 are [3] (.6) and [EOS] (.4). HF
+    # keeps a finished candidate only among the best `beam` (here 1), so [EOS] is dropped and
+    # the truncated [3, 4] (.6 * .55) wins; GNMT keeps [EOS], which beats it.
+    b = BOS_ID
+    states = {(b,): {3: 0.6, EOS_ID: 0.4}, (b, 3): {4: 0.55, EOS_ID: 0.45}}
+    best, score, _ = run_hf(states, max_len=2, beam_size=1, alpha=0.0)
+    assert best == [3, 4]
+    np.testing.assert_allclose(score, np.log(0.6 * 0.55), rtol=1e-5)
+    assert run_hf(states, max_len=2, beam_size=1, alpha=0.0, beam_style="gnmt")[0] == [EOS_ID]
+
+
+def test_hf_early_stopping_false_scores_live_beams_at_their_length():
+    # Beam 1, alpha 2, max_len 3. After step 0 the pool holds [EOS] (log .6 = -0.51) and the
+    # live [3] has log .4 = -0.92. early_stopping=False (and True) scores it at its length 1:
+    # -0.92 < -0.51, so the search stops after one step. "never" scores it at the limit,
+    # -0.92 / 3**2 = -0.10, goes on, and finds [3, 3, EOS]: log .36 / 9 = -0.11 > -0.51.
+    b = BOS_ID
+    states = {(b,): {EOS_ID: 0.6, 3: 0.4}, (b, 3): {3: 0.9, EOS_ID: 0.1}, (b, 3, 3): {EOS_ID: 1.0}}
+    for early_stopping in (False, True):
+        best, score, calls = run_hf(states, 3, 1, 2.0, early_stopping)
+        assert (best, calls) == ([EOS_ID], 1), early_stopping
+        np.testing.assert_allclose(score, np.log(0.6), rtol=1e-5)
+    best, score, calls = run_hf(states, 3, 1, 2.0, "never")
+    assert (best, calls) == ([3, 3, EOS_ID], 3)
+    np.testing.assert_allclose(score, np.log(0.36) / 9, rtol=1e-5)
+
+
+def test_hf_early_stopping_true_stops_with_a_full_pool():
+    # Beam 2, alpha 1, max_len 3. Step 0: [3] .6, [EOS] .3 (finishes: log .3 = -1.20), [4] .1.
+    # Step 1: [3, EOS] .33 finishes (log .33 / 2 = -0.55): the pool is full. True stops here;
+    # False goes on, since the live [3, 3] (.27: log .27 / 2 = -0.65) beats -1.20 at its
+    # length, and finds [3, 3, EOS]: log .27 / 3 = -0.44.
+    b = BOS_ID
+    states = {
+        (b,): {3: 0.6, EOS_ID: 0.3, 4: 0.1},
+        (b, 3): {EOS_ID: 0.55, 3: 0.45},
+        (b, 4): {EOS_ID: 0.5, 3: 0.3, 4: 0.2},
+        (b, 3, 3): {EOS_ID: 1.0},
+    }
+    best, score, calls = run_hf(states, 3, 2, 1.0, True)
+    assert (best, calls) == ([3, EOS_ID], 2)
+    np.testing.assert_allclose(score, np.log(0.33) / 2, rtol=1e-5)
+    best, score, calls = run_hf(states, 3, 2, 1.0, False)
+    assert (best, calls) == ([3, 3, EOS_ID], 3)
+    np.testing.assert_allclose(score, np.log(0.27) / 3, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Token constraints: forced EOS at the limit, banned ids
+# ---------------------------------------------------------------------------
+
+
+def test_greedy_forced_eos_and_banned_ids():
+    # Row limits 1, 3, 2 and token 3 banned: every row ends with EOS at the latest at its
+    # limit, and 3 never occurs although the unconstrained greedy choice uses it.
+    tables, pos_bias = limited_tables()
+    plain, _ = jit_greedy(tables, pos_bias, ROWS, FIRST, ROW_LIMITS, max_len=MAX_LEN)
+    assert (np.asarray(plain) == 3).any()
+    kwargs = dict(max_len=MAX_LEN, forced_eos=True, banned_ids=(3,))
+    tokens, scores = jit_greedy(tables, pos_bias, ROWS, FIRST, ROW_LIMITS, **kwargs)
+    for b, row in enumerate(ROWS):
+        limit = int(ROW_LIMITS[b])
+        want, want_score = np_greedy(
+            tables, pos_bias, [row], FIRST[b : b + 1], limit, forced_eos=True, banned=(3,)
+        )
+        padded = np.concatenate([want[0], np.full(MAX_LEN - limit, PAD_ID)])
+        np.testing.assert_array_equal(tokens[b], padded, err_msg=f"row {b}")
+        # The score stays the model's log-prob, a forced EOS's included.
+        np.testing.assert_allclose(scores[b], want_score[0], rtol=1e-5)
+    assert all(EOS_ID in list(row) for row in np.asarray(tokens))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_beam_forced_eos_and_banned_ids_against_enumeration(alpha):
+    # Exhaustive beam (as above): the whole top list equals the enumeration of the sequences
+    # without token 4, those at max_len ending with an EOS that costs nothing: [EOS], 2 of
+    # length 2 and 4 of length 3 over the normal tokens 3 and 5.
+    vocab, max_len, beam = 6, 3, 7
+    tables, pos_bias = make_prefix_tables(16, 3, vocab, max_len)
+    first = np.array([BOS_ID, 3, vocab - 1], np.int32)
+    seqs, scores = jit_beam(
+        tables, pos_bias, ROWS, first,
+        max_len=max_len, beam_size=beam, alpha=alpha, forced_eos=True, banned_ids=(4,),
+    )  # fmt: skip
+    seqs, scores = np.asarray(seqs), np.asarray(scores)
+    for b, row in enumerate(ROWS):
+        want = np_exhaustive(
+            tables, pos_bias, int(row), int(first[b]), max_len, alpha, forced_eos=True, banned=(4,)
+        )
+        assert len(want) == beam
+        for j, (want_score, want_seq) in enumerate(want):
+            padded = want_seq + [PAD_ID] * (max_len - len(want_seq))
+            np.testing.assert_array_equal(seqs[b, j], padded)
+            np.testing.assert_allclose(scores[b, j], want_score, rtol=1e-5)
+    assert not (seqs == 4).any()
+    assert all(EOS_ID in list(s) for s in seqs.reshape(-1, max_len))
+
+
+@jax.jit
+def jit_sample_markov_constrained(table, rng):
+    return sample(
+        markov_callback(table), (), rng, batch_size=64, max_len=3, forced_eos=True, banned_ids=(3,)
+    )
+
+
+def test_sample_never_draws_a_banned_id_and_ends_with_eos_at_the_limit():
+    table = MARKOV.copy()
+    table[:, 3] += 5.0  # the favourite token, banned below
+    tokens, _ = jit_sample_markov_constrained(table, jax.random.key(1))
+    tokens = np.asarray(tokens)
+    assert not (tokens == 3).any()
+    assert all(EOS_ID in list(row) for row in tokens)
+
+
+# ---------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------
 
@@ -737,6 +939,31 @@ def test_beam_and_greedy_bad_arguments(kwargs, name):
             greedy_search(markov_callback(MARKOV), (), **args)
     with pytest.raises(ValueError, match="beam_size"):
         expand_to_beams({"a": jnp.zeros((2,))}, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"beam_style": "t5"}, "beam_style must be one of"),
+        ({"beam_style": "hf", "early_stopping": "always"}, "early_stopping must be one of"),
+        ({"beam_style": "hf", "early_stopping": 1}, "early_stopping must be one of"),
+        ({"early_stopping": True}, "early_stopping=True is a rule of beam_style='hf'"),
+        ({"forced_eos": 1}, "forced_eos must be True or False"),
+        ({"banned_ids": (EOS_ID,)}, "banned_ids must not contain eos_id"),
+        ({"banned_ids": (3.0,)}, "banned_ids must be a sequence of token ids"),
+        ({"banned_ids": 3}, "banned_ids must be a sequence of token ids"),
+        ({"banned_ids": (SAMPLE_VOCAB,)}, r"banned_ids .*ints in \[0, 8\)"),  # at trace time
+    ],
+)
+def test_search_options_bad_arguments(kwargs, message):
+    args = {"batch_size": 3, "beam_size": 2, "max_len": 2} | kwargs
+    model = markov_callback(jnp.asarray(MARKOV))
+    with pytest.raises(ValueError, match=message):
+        beam_search(model, (), **args)
+    if not ({"beam_style", "early_stopping"} & kwargs.keys()):
+        args.pop("beam_size")
+        with pytest.raises(ValueError, match=message):
+            greedy_search(model, (), **args)
 
 
 def test_special_ids_are_defined_in_one_place():

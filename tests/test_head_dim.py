@@ -133,7 +133,11 @@ def test_encoder_decoder_cached_decoding_equals_full_forward(cfg):
     np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cfg", [HD, COMBO], ids=["multi_head", "gqa_rotary_fused_blockwise"])
+@pytest.mark.parametrize(
+    "cfg",
+    [HD, COMBO, COMBO.replace(attention_window=3)],
+    ids=["multi_head", "gqa_rotary_fused_blockwise", "and_a_window_ring_buffer"],
+)
 def test_decoder_only_cached_decoding_equals_full_forward(cfg):
     model = DecoderOnly(cfg)
     y = tokens(4, (8, 8), 8, 40)

@@ -121,6 +121,11 @@ SEQ2SEQ = {
         eos_id=0,
         unk_id=1,
     ),
+    # Restricted attention: r = 2 keys on each side (encoder), a sliding window (decoder).
+    "window_both": TINY.replace(attention_window=2),
+    "window_encoder_blockwise": TINY.replace(
+        attention_window=3, attention_window_layers="encoder", attention_implementation="blockwise"
+    ),
     # Heads 12 wide, not 32 / 4 = 8: attention 48 wide inside; fused multi-head self-attention,
     # separate cross-attention projections.
     "head_dim_12_fused": TINY.replace(head_dim=12, fused_qkv=True),
@@ -149,6 +154,12 @@ DECODER_ONLY = {
     "rotary_geglu_mqa_fused": TINY.replace(
         position="rotary", activation="geglu", num_kv_heads=1, fused_qkv=True
     ),
+    "window_rotary_blockwise": TINY.replace(
+        attention_window=3, position="rotary", attention_implementation="blockwise"
+    ),
+    "window_encoder_only_leaves_decoder_full": TINY.replace(
+        attention_window=2, attention_window_layers="encoder"
+    ),
     "head_dim_12_rotary_gqa_fused": TINY.replace(
         head_dim=12, position="rotary", num_kv_heads=2, fused_qkv=True
     ),
@@ -175,6 +186,7 @@ CLASSIFIER = {
     ),
     "post_rotary_first": TINY.replace(position="rotary", pooling="first"),
     "post_attention_pooling": TINY.replace(pooling="attention"),
+    "window_mean": TINY.replace(attention_window=2),
 }
 
 
@@ -263,8 +275,8 @@ def test_softmax_stays_float32_under_bfloat16_attention_module():
     (weights,) = sown["intermediates"]["attention_weights"]
     np.testing.assert_allclose(np.asarray(weights)[0, 0, 0], CLOSE_WEIGHTS, rtol=0, atol=1e-6)
     expected = ref.multi_head_attention(
-        TINY.replace(d_model=4, num_heads=1), ref.to_float64(params), x_q.astype(np.float64), x_kv.astype(np.float64),
-        np.ones((1, 1, 3), bool),
+        TINY.replace(d_model=4, num_heads=1), ref.to_float64(params),
+        x_q.astype(np.float64), x_kv.astype(np.float64), np.ones((1, 1, 3), bool),
     )  # fmt: skip
     np.testing.assert_allclose(expected[0, 0, 2:], CLOSE_WEIGHTS[:2], rtol=1e-12)
     np.testing.assert_allclose(
