@@ -32,7 +32,18 @@ from flax import struct, traverse_util
 from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxformer_lite import data, flops, lm_task, losses, optim, paths, preflight, sharding, tasks
+from flaxformer_lite import (
+    data,
+    flops,
+    init_from,
+    lm_task,
+    losses,
+    optim,
+    paths,
+    preflight,
+    sharding,
+    tasks,
+)
 from flaxformer_lite.checkpoints import Checkpointer
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import continue_prompt, generate
@@ -74,8 +85,11 @@ def model_config(config: Any, task: tasks.Task) -> TransformerConfig:
             )
     if fields.get("dtype") == "auto":
         fields["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    fields.update(vocab_size=task.vocab_size, target_vocab_size=task.target_vocab_size)
-    fields.update(special)
+    data_fields = dict(vocab_size=task.vocab_size, target_vocab_size=task.target_vocab_size)
+    data_fields.update(special)
+    if config.get("init_from"):  # the pretrained architecture, the data's sizes and ids
+        return init_from.model_fields(config.init_from, fields, data_fields)
+    fields.update(data_fields)
     fields.setdefault("max_len", task.max_len)
     if task.target_vocab_size is not None:
         fields["share_embeddings"] = False
@@ -85,7 +99,8 @@ def model_config(config: Any, task: tasks.Task) -> TransformerConfig:
 def make_optimizer(
     config: Any, d_model: int
 ) -> tuple[optax.Schedule, optax.GradientTransformation]:
-    """The run's learning-rate schedule and optimizer, as ``config`` names them."""
+    """The run's learning-rate schedule and optimizer, as ``config`` names them; parameters
+    matching a ``config.freeze`` pattern get no updates (``optim.with_frozen``)."""
     schedule = optim.make_schedule(
         config.schedule,
         learning_rate=config.learning_rate,
@@ -102,7 +117,7 @@ def make_optimizer(
         weight_decay=config.weight_decay,
         grad_clip_norm=config.grad_clip_norm,
     )
-    return schedule, tx
+    return schedule, optim.with_frozen(tx, tuple(config.get("freeze") or ()))
 
 
 def build_model(kind: str, cfg: TransformerConfig) -> nn.Module:
@@ -249,7 +264,7 @@ def train_step(
         )
         (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
     denom = jnp.maximum(sums["count"], 1.0)
-    grads = jax.tree_util.tree_map(lambda g: g / denom, grads)
+    grads = keep_pad_rows(jax.tree_util.tree_map(lambda g: g / denom, grads), model.config.pad_id)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new_state = state.replace(
@@ -290,6 +305,20 @@ def jit_train_step(config: Any, model, kind: str, tx, schedule, state_shardings,
         out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,),
     )
+
+
+def keep_pad_rows(grads, pad_id: int):
+    """``grads`` with the pad id's row of every token embedding zeroed: the pad embedding is
+    never trained (PyTorch's ``padding_idx``), which matters where the pad token is also the
+    decoder start (Marian: CTranslate2 starts its decoder from a zero vector there)."""
+
+    def zero(path, g):
+        keys = [str(k.key) for k in path if hasattr(k, "key")]
+        if len(keys) >= 2 and keys[-1] == "embedding" and keys[-2].endswith("embedding"):
+            return g.at[pad_id].set(0.0)
+        return g
+
+    return jax.tree_util.tree_map_with_path(zero, grads)
 
 
 def all_finite(tree) -> jax.Array:
@@ -686,12 +715,26 @@ def train_and_evaluate(
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(state.params))
     log(f"model: {type(model).__name__}, {num_params:,} parameters, mesh {dict(mesh.shape)}")
 
-    # Resume from the latest checkpoint, if any.
+    # Resume from the latest checkpoint, if any; else start from pretrained weights if asked.
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(state)
         task.train.restore(data_state["train"])
         log(f"resumed from step {int(state.step)} ({checkpointer.directory})")
+        if config.get("init_from"):
+            log(f"init_from {config.init_from} ignored: the run resumes from its own checkpoint")
+    elif config.get("init_from"):
+        params, summary = init_from.restore_into(
+            state.params, init_from.pretrained_params(config.init_from)
+        )
+        state = state.replace(params=jax.device_put(params, state_shardings.params))
+        log(f"init_from {config.init_from}: {summary}")
+    if config.get("freeze"):
+        labels = jax.tree_util.tree_leaves(optim.freeze_labels(state.params, config.freeze))
+        sizes = [int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(state.params)]
+        frozen = sum(n for n, label in zip(sizes, labels, strict=True) if label == "freeze")
+        trained = num_params - frozen
+        log(f"freeze {list(config.freeze)}: {frozen:,} parameters frozen, {trained:,} trained")
 
     # Jitted steps: the batch is split over ("data", "fsdp"); the state keeps its shardings.
     step_fn = jit_train_step(config, model, task.kind, tx, schedule, state_shardings, mesh)

@@ -19,7 +19,7 @@ from flaxformer_lite.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 ACTIVATIONS = tuple(_ACTIVATION_FUNCTIONS)
 NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
-POSITIONS = ("sinusoidal", "learned", "rotary", "none")
+POSITIONS = ("sinusoidal", "learned", "rotary", "relative", "none")
 SINUSOID_LAYOUTS = ("interleaved", "halves")
 DTYPES = ("float32", "bfloat16", "float16")
 POOLINGS = ("mean", "first", "attention")
@@ -46,7 +46,10 @@ class TransformerConfig:
       norm_position: "post" (paper: LayerNorm(x + Sublayer(x))) or "pre" (x + Sublayer(LN(x))).
       norm_type: "layernorm" or "rmsnorm".
       layer_norm_epsilon: 1e-6 as in the reference implementation (Marian/BART: 1e-5).
-      position: "sinusoidal" (paper), "learned", "rotary" (relative, inside attention) or "none".
+      position: "sinusoidal" (paper), "learned", "rotary" (relative, inside attention),
+        "relative" (T5's bucketed relative position bias on the self-attention logits: one
+        learned table `[relative_num_buckets, num_heads]` per layer stack shared by its layers,
+        bidirectional buckets in the encoder, causal ones in the decoder) or "none".
       sinusoid_layout: channel order of the sinusoids: "interleaved" (the paper: sin on even
         channels, cos on odd ones) or "halves" (Marian/fairseq: the d_model/2 sines, then the
         d_model/2 cosines, same frequencies).
@@ -114,6 +117,10 @@ class TransformerConfig:
         keys/values per layer, so its memory is constant in the generated length.
       attention_window_layers: which self-attentions use ``attention_window``: "both",
         "encoder" or "decoder" (a decoder-only model's stack is "decoder").
+      relative_num_buckets: buckets of ``position="relative"`` (T5: 32); even, >= 4. The
+        encoder gives half to keys before the query and half to keys after it.
+      relative_max_distance: distances from this on share the last bucket (T5: 128); must
+        exceed relative_num_buckets // 2.
       head_dim: width of each attention head (queries, keys and values); None =
         d_model // num_heads (then d_model must be divisible by num_heads). Set apart from
         d_model, the projections are `[d_model, heads, head_dim]` and the output projection
@@ -163,6 +170,8 @@ class TransformerConfig:
     router_z_loss_weight: float = 0.001
     attention_window: int | None = None
     attention_window_layers: str = "both"
+    relative_num_buckets: int = 32
+    relative_max_distance: int = 128
     head_dim: int | None = None
 
     def __post_init__(self) -> None:
@@ -273,6 +282,25 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig.attention_window must be None or a positive integer; got "
                 f"{window!r}"
+            )
+        self._check_relative()
+
+    def _check_relative(self) -> None:
+        for name in ("relative_num_buckets", "relative_max_distance"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"TransformerConfig.{name} must be a positive integer; got {value!r}"
+                )
+        if self.relative_num_buckets < 4 or self.relative_num_buckets % 2:
+            raise ValueError(
+                "TransformerConfig.relative_num_buckets must be even and >= 4; got "
+                f"{self.relative_num_buckets}"
+            )
+        if self.relative_max_distance <= self.relative_num_buckets // 2:
+            raise ValueError(
+                "TransformerConfig.relative_max_distance must exceed relative_num_buckets // 2 "
+                f"= {self.relative_num_buckets // 2}; got {self.relative_max_distance}"
             )
 
     def _check_moe(self) -> None:

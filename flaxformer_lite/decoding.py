@@ -84,6 +84,10 @@ def _map_batched(fn: Callable[[jax.Array], jax.Array], tree: PyTree) -> PyTree:
 
 
 def _check_positive_int(name: str, value: int) -> int:
+    """``value`` if it is a Python int >= 1 or a ``jax.export`` symbolic dimension (a batch
+    size exported for any number of rows: symbolic dimensions are >= 1)."""
+    if jax.export.is_symbolic_dim(value):
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive Python int (>= 1), got {value!r}.")
     return value

@@ -114,19 +114,23 @@ def parameter_count(config: TransformerConfig, model: str = "encoder_decoder") -
 
     ``model``: "encoder_decoder" (``EncoderDecoder``), "decoder_only" (``DecoderOnly``) or
     "classifier" (``EncoderClassifier``). Counts embeddings (shared or not), learned position
-    tables (one per stack), every layer's attention (``_attention_params``: widths num_heads *
-    head_dim and kv_heads * head_dim, so ``head_dim`` apart from d_model / num_heads changes
-    them), feed-forward or mixture-of-experts blocks, norms (LayerNorm: scale and bias;
-    RMSNorm: scale; a final norm per stack when pre-LN), the untied output projection, the
-    logits bias and the classifier head (and its pooling query). ``scan_layers`` stacks the
-    same parameters, so it does not change the count.
+    tables and relative position bias tables (one per stack), every layer's attention
+    (``_attention_params``: widths num_heads * head_dim and kv_heads * head_dim, so
+    ``head_dim`` apart from d_model / num_heads changes them), feed-forward or
+    mixture-of-experts blocks, norms (LayerNorm: scale and bias; RMSNorm: scale; a final norm
+    per stack when pre-LN), the untied output projection, the logits bias and the classifier
+    head (and its pooling query). ``scan_layers`` stacks the same parameters, so it does not
+    change the count.
     """
     if model not in MODEL_KINDS:
         raise ValueError(f"model must be one of {MODEL_KINDS}; got {model!r}")
     d = config.d_model
     norm = d * (1 if config.norm_type == "rmsnorm" else 2)
     final_norm = norm if config.norm_position == "pre" else 0
-    positions = config.max_len * d if config.position == "learned" else 0
+    positions = {
+        "learned": config.max_len * d,  # a `[max_len, d]` table per stack
+        "relative": config.relative_num_buckets * config.num_heads,  # `[buckets, heads]`
+    }.get(config.position, 0)
     attention = _attention_params(config)
 
     def stack(layers: int, attentions: int) -> int:

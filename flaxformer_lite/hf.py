@@ -538,9 +538,16 @@ def load_pretrained(path_or_repo_id: str) -> tuple[TransformerConfig, Params, An
 def generation_defaults(path_or_repo_id: str) -> dict[str, Any]:
     """The decoding defaults a Hugging Face model folder records (``generation_config.json``,
     else ``config.json``): any of ``num_beams``, ``length_penalty``, ``max_length``,
-    ``early_stopping``, ``bad_words_ids`` that it sets."""
+    ``early_stopping``, ``bad_words_ids``, ``forced_eos_token_id`` that it sets."""
     root = resolve(path_or_repo_id)
-    keys = ("num_beams", "length_penalty", "max_length", "early_stopping", "bad_words_ids")
+    keys = (
+        "num_beams",
+        "length_penalty",
+        "max_length",
+        "early_stopping",
+        "bad_words_ids",
+        "forced_eos_token_id",
+    )
     out: dict[str, Any] = {}
     for name in ("config.json", "generation_config.json"):  # the latter wins
         path = root / name

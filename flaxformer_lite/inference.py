@@ -38,6 +38,7 @@ from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import (
     METHODS,
     check_decode_len,
+    check_search_options,
     default_mesh,
     generate,
     place_params,
@@ -89,6 +90,21 @@ class Vocabulary(Protocol):
     def id_to_piece(self, ids: Iterable[int]) -> list[str]: ...
 
 
+def _run_search_options(run: dict[str, Any], config: TransformerConfig) -> dict[str, Any]:
+    """generate()'s search options a run's config.json asks for (configs/finetune_marian.py
+    sets them: Hugging Face's beam rules, forced EOS, the pad id banned)."""
+    options: dict[str, Any] = {}
+    if run.get("beam_style"):
+        options["beam_style"] = run["beam_style"]
+    if run.get("early_stopping") is not None:
+        options["early_stopping"] = run["early_stopping"]
+    if run.get("forced_eos"):
+        options["forced_eos"] = True
+    if run.get("ban_pad"):
+        options["banned_ids"] = (config.pad_id,)
+    return options
+
+
 def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
     """(source, target) vocabularies saved in ``workdir`` by ``train.py`` (one object if shared).
 
@@ -98,6 +114,11 @@ def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
     from flaxformer_lite.tokenizer import Tokenizer  # sentencepiece: only when needed
 
     root = epath.Path(workdir)
+    if all((root / name).is_file() for name in ("source.spm", "target.spm", "vocab.json")):
+        from flaxformer_lite.marian_tokenizer import MarianTokenizer  # a fine-tuned Marian run
+
+        marian = MarianTokenizer.load(str(root))
+        return marian.source, marian.target
     spm = {name: root / f"spm_{name}.model" for name in ("shared", "src", "tgt")}
     if spm["shared"].is_file():
         shared = Tokenizer.load(str(spm["shared"]))
@@ -245,6 +266,7 @@ class Translator:
         alpha: float = 0.6,
         name: str = "",
         mesh: jax.sharding.Mesh | None = None,
+        search_options: dict[str, Any] | None = None,
     ) -> None:
         params, config = unrolled(params, config)
         self.config = config
@@ -261,6 +283,9 @@ class Translator:
                 )
         self.beam_size = beam_size
         self.alpha = alpha
+        # generate()'s beam_style / early_stopping / forced_eos / banned_ids (checked here).
+        self.search_options = dict(search_options or {})
+        check_search_options(config, **self.search_options)
         self.name = name
         self.mesh = default_mesh() if mesh is None else mesh
         # On the devices once, in their shards, not at every call.
@@ -343,6 +368,53 @@ class Translator:
             alpha=float(0.6 if run.get("alpha") is None else run["alpha"]),
             name=f"{workdir} ({label})",
             mesh=mesh,
+            search_options=_run_search_options(run, config),
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls, source: str, *, mesh: jax.sharding.Mesh | None = None, **workdir_kwargs: Any
+    ) -> Translator:
+        """A train.py workdir (``from_workdir``, e.g. a fine-tuned one) or a Hugging Face
+        Marian folder / hub id (``hf.load_pretrained`` with its tokenizer), decoding as that
+        model's ``generate`` would by default: its ``num_beams``, ``length_penalty`` (here
+        ``alpha``, with Hugging Face's beam rules), ``early_stopping``, the EOS forced at the
+        last position, and its ``bad_words_ids`` (opus-mt bans the pad token).
+
+        Raises:
+          FileNotFoundError: neither a workdir nor a model folder, or no tokenizer files.
+        """
+        from flaxformer_lite import hf
+        from flaxformer_lite.init_from import is_workdir
+
+        if is_workdir(source):
+            return cls.from_workdir(source, mesh=mesh, **workdir_kwargs)
+        config, params, tokenizer = hf.load_pretrained(source)
+        if tokenizer is None:
+            raise FileNotFoundError(
+                f"{source} has no tokenizer (source.spm, target.spm, vocab.json); the "
+                "Translator needs one"
+            )
+        gen = hf.generation_defaults(source)
+        banned = sorted(
+            {int(w[0]) for w in gen.get("bad_words_ids") or [] if len(w) == 1} - {config.eos_id}
+        )
+        options = dict(
+            beam_style="hf",
+            early_stopping=gen.get("early_stopping", False),
+            forced_eos=gen.get("forced_eos_token_id") == config.eos_id,
+            banned_ids=tuple(banned),
+        )
+        return cls(
+            params,
+            config,
+            tokenizer.source,
+            tokenizer.target,
+            beam_size=int(gen.get("num_beams", 4)),
+            alpha=float(gen.get("length_penalty", 1.0)),
+            name=str(source),
+            mesh=mesh,
+            search_options=options,
         )
 
     @staticmethod
@@ -534,12 +606,17 @@ class Translator:
             beam_size, alpha = 1, 0.0
         if method != "sample":
             temperature, top_k, top_p, rng = 1.0, 0, 1.0, None
+        search = dict(self.search_options)
+        if method != "beam":  # beam rules do not apply; constraints do
+            search.pop("beam_style", None)
+            search.pop("early_stopping", None)
         tokens, _ = generate(
             self.params,
             self.config,
             inputs,
             mesh=self.mesh,
             method=method,
+            **search,
             max_len=max_len,
             beam_size=beam_size,
             alpha=float(alpha),

@@ -445,8 +445,7 @@ class MultiHeadAttention(nn.Module):
         positions = positions_q[0].astype(jnp.int32)  # [q_len]
         index, last = positions[0], positions[-1]
         slots = jnp.arange(ring, dtype=jnp.int32)
-        held = (index - 1) - jnp.mod(index - 1 - slots, ring)  # position in slot s; < 0: empty
-        key_positions = jnp.concatenate([held, positions])  # [window + q_len]
+        key_positions = ring_key_positions(positions, ring)  # [window + q_len]
         distance = positions[:, None] - key_positions[None, :]
         allowed = (key_positions[None, :] >= 0) & (distance >= 0) & (distance <= ring)
         keys = jnp.concatenate([cached_key.value, key.astype(cached_key.value.dtype)], axis=1)
@@ -458,6 +457,17 @@ class MultiHeadAttention(nn.Module):
         cached_key.value = jnp.take(keys, source, axis=1)
         cached_value.value = jnp.take(values, source, axis=1)
         return keys, values, combine_masks(mask, allowed[None, None])
+
+
+def ring_key_positions(positions: Array, ring: int) -> Array:
+    """The positions of the keys a ring-buffer decoding step attends over, int32 `[ring +
+    q_len]`: slot s of the ring holds the newest position p < index with p % ring == s (< 0:
+    empty), then come the new positions ``positions`` `[q_len]` (index, index + 1, ...)."""
+    positions = positions.astype(jnp.int32)
+    index = positions[0]
+    slots = jnp.arange(ring, dtype=jnp.int32)
+    held = (index - 1) - jnp.mod(index - 1 - slots, ring)
+    return jnp.concatenate([held, positions])
 
 
 def _raise_cache_full(index: Any, *, q_len: int, max_len: int) -> None:
@@ -669,14 +679,20 @@ class EncoderLayer(nn.Module):
     moe: bool = False
 
     @nn.compact
-    def __call__(self, x: Array, mask: Any, positions: Array | None = None) -> Array:
+    def __call__(
+        self, x: Array, mask: Any, positions: Array | None = None, bias: Array | None = None
+    ) -> Array:
+        """bias: added to the self-attention logits, `[batch|1, heads, len, len]` (the stack's
+        relative position bias)."""
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
         attn = _attention(cfg, "self_attention")
 
         def self_attention(h: Array) -> Array:
-            return attn(h, None, mask, positions_q=positions, deterministic=self.deterministic)
+            return attn(
+                h, None, mask, bias, positions_q=positions, deterministic=self.deterministic
+            )
 
         x = residual(x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw)
         valid = getattr(mask, "query_valid", None)
@@ -710,7 +726,10 @@ class DecoderLayer(nn.Module):
         self_mask: Any,
         cross_mask: Any,
         positions: Array | None = None,
+        bias: Array | None = None,
     ) -> Array:
+        """bias: added to the self-attention logits, `[batch|1, heads, len, kv_len]` (the
+        stack's relative position bias; with ``decode=True`` kv_len is the cache length)."""
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
@@ -721,6 +740,7 @@ class DecoderLayer(nn.Module):
                 h,
                 None,
                 self_mask,
+                bias,
                 positions_q=positions,
                 deterministic=self.deterministic,
                 decode=self.decode,

@@ -86,6 +86,11 @@ class MarianVocabulary:
         """Marian's decoder starts from the pad token."""
         return self.pad_id
 
+    def shares_table_with(self, other: Any) -> bool:
+        """Whether ``other`` numbers pieces with this side's very table (a shared vocabulary:
+        one embedding serves both sides)."""
+        return getattr(other, "_table", None) is self._table
+
     def pieces(self, text: str) -> list[str]:
         """The pieces of ``text``: a leading language code whole, then SentencePiece's pieces.
         Special tokens written in the text (``</s>``, ``<unk>``, ``<pad>``) stay whole too."""

@@ -24,6 +24,10 @@ With ``config.scan_layers`` each layer stack is one ``nn.scan`` over a layer: pa
 into the second; cached decoding (``decode=True``) runs on the unrolled one (``unrolled`` gives
 its parameters and config).
 
+With ``position="relative"`` each stack owns T5's bias table (``encoder/relative_bias`` and
+``decoder/relative_bias``, `[num_buckets, heads]`, outside the scanned layers): the stack computes
+the bias once and every layer's self-attention adds it to its logits.
+
 Attention weights are sown into the "intermediates" collection by every attention layer when
 the caller makes it mutable; ``attention_weights_per_layer`` lists them per layer.
 """
@@ -37,10 +41,17 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from flaxformer_lite import positions as pos_lib
 from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.layers import DecoderLayer, Embed, EncoderLayer, make_norm
+from flaxformer_lite.layers import (
+    DecoderLayer,
+    Embed,
+    EncoderLayer,
+    make_norm,
+    ring_key_positions,
+)
 from flaxformer_lite.masks import AttentionMask
 
 Array = jax.Array
@@ -258,11 +269,18 @@ class Encoder(nn.Module):
             key_segment_ids=inputs_segmentation,
             window=cfg.self_attention_window("encoder"),
         )
+        shared = [mask, positions]
+        if cfg.position == "relative":
+            # One table for the stack and one `[1, heads, s, s]` bias for every row: it depends
+            # on index differences only, which equal position differences inside a packed
+            # segment (positions count up from 0 in each), and pairs across segments are masked.
+            at = _default_positions(inputs)[:1]
+            shared.append(_relative_bias(cfg, bidirectional=True)(at, at))
         x = layer_stack(
             lambda name, i: EncoderLayer(
                 cfg, deterministic=deterministic, moe=cfg.is_moe_layer(i), name=name
             ),
-            cfg, cfg.num_encoder_layers, x, mask, positions,
+            cfg, cfg.num_encoder_layers, x, *shared,
         )  # fmt: skip
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
@@ -279,6 +297,19 @@ class Decoder(nn.Module):
     config: TransformerConfig
     embedding: Embed
     cross_attention: bool = True
+
+    def _cache_length(self, new_positions: int) -> int:
+        """Slots of the self-attention key/value caches: their length in the "cache"
+        collection, or ``new_positions`` on the call that allocates them."""
+        cache = self.variables.get("cache", {})
+        lengths = {
+            leaf.shape[1]
+            for path, leaf in traverse_util.flatten_dict(cache).items()
+            if path[-1] == "cached_key"
+        }
+        if len(lengths) > 1:
+            raise ValueError(f"the decoder's key/value caches differ in length: {lengths}")
+        return lengths.pop() if lengths else new_positions
 
     @nn.compact
     def __call__(
@@ -342,6 +373,22 @@ class Decoder(nn.Module):
                 decoder_inputs, positions, deterministic=deterministic
             )
         )
+        shared = [encoded, self_mask, cross_mask, positions]
+        if cfg.position == "relative":
+            # Causal buckets, one table for the stack. Decoding: the new positions against
+            # every cache slot (the causal mask hides the slots not written yet).
+            if decode:
+                query_at = positions[:1]
+                length = self._cache_length(decoder_inputs.shape[1])
+                window = cfg.self_attention_window("decoder")
+                if initialized and window == length and decoder_inputs.shape[1]:
+                    # a sliding-window ring buffer: its slots, then the new positions
+                    key_at = ring_key_positions(positions[0], window)[None]
+                else:
+                    key_at = jnp.arange(length)[None]
+            else:
+                query_at = key_at = _default_positions(decoder_inputs)[:1]  # as in the encoder
+            shared.append(_relative_bias(cfg, bidirectional=False)(query_at, key_at))
         x = layer_stack(
             lambda name, i: DecoderLayer(
                 cfg,
@@ -352,7 +399,7 @@ class Decoder(nn.Module):
                 moe=cfg.is_moe_layer(i),
                 name=name,
             ),
-            cfg, cfg.num_decoder_layers, x, encoded, self_mask, cross_mask, positions,
+            cfg, cfg.num_decoder_layers, x, *shared,
         )  # fmt: skip
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
@@ -379,6 +426,18 @@ class Decoder(nn.Module):
             )
             logits = logits + jnp.asarray(bias, jnp.float32)
         return logits
+
+
+def _relative_bias(config: TransformerConfig, *, bidirectional: bool) -> nn.Module:
+    """The stack's T5 relative position bias (``position="relative"``), shared by its layers."""
+    return pos_lib.RelativePositionBias(
+        num_heads=config.num_heads,
+        num_buckets=config.relative_num_buckets,
+        max_distance=config.relative_max_distance,
+        bidirectional=bidirectional,
+        param_dtype=config.parameter_dtype,
+        name="relative_bias",
+    )
 
 
 def _embedding(config: TransformerConfig, vocab_size: int, name: str) -> Embed:

@@ -1,9 +1,12 @@
-"""Learning-rate schedules and the optimizer, built from Optax parts."""
+"""Learning-rate schedules, the optimizer, and frozen parameters, built from Optax parts."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -73,3 +76,54 @@ def make_optimizer(
     if grad_clip_norm:
         opt = optax.chain(optax.clip_by_global_norm(grad_clip_norm), opt)
     return opt
+
+
+# ----------------------------------------------------------------------------- freezing
+
+
+def param_path(path: tuple) -> str:
+    """'/'-joined dictionary keys of a parameter's tree path (boxes and indices skipped):
+    ``encoder/layers_0/mlp/wi/kernel``."""
+    return "/".join(str(k.key) for k in path if hasattr(k, "key"))
+
+
+def freeze_labels(params: Any, patterns: Sequence[str]) -> Any:
+    """The tree of ``params`` with ``"freeze"`` where a parameter's path fully matches one of
+    the regular expressions ``patterns``, else ``"train"``.
+
+    Raises:
+      ValueError: a pattern matches no parameter (it is named, with some of the paths).
+    """
+    compiled = [(p, re.compile(p)) for p in patterns]
+    used: set[str] = set()
+
+    def label(path, _):
+        name = param_path(path)
+        for pattern, regex in compiled:
+            if regex.fullmatch(name):
+                used.add(pattern)
+                return "freeze"
+        return "train"
+
+    labels = jax.tree_util.tree_map_with_path(label, params)
+    unused = [p for p, _ in compiled if p not in used]
+    if unused:
+        names = [param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+        raise ValueError(
+            f"config.freeze pattern(s) {unused} match no parameter; patterns are regular "
+            f"expressions over '/'-joined paths such as {names[:6]} (of {len(names)})"
+        )
+    return labels
+
+
+def with_frozen(tx: optax.GradientTransformation, patterns: Sequence[str]):
+    """``tx`` for the parameters ``patterns`` (see ``freeze_labels``) leave alone; the frozen
+    ones get zero updates through ``optax.multi_transform`` and no optimizer state (their
+    gradients never reach ``tx``, so clipping and Adam see the trained parameters only).
+    No patterns: ``tx`` itself."""
+    if not patterns:
+        return tx
+    return optax.multi_transform(
+        {"train": tx, "freeze": optax.set_to_zero()},
+        lambda params: freeze_labels(params, patterns),
+    )

@@ -1,10 +1,11 @@
-"""Position information: the paper's sinusoids, learned embeddings and rotary embeddings.
+"""Position information: the paper's sinusoids, learned and rotary embeddings, T5's relative bias.
 
 Absolute schemes (``sinusoidal``, ``LearnedPositions``) are added to the token embeddings and
 take explicit ``positions`` `[batch, length]`, so packed rows restart at 0 in every segment and a
 cached decoder step asks for its own position. Relative schemes act inside attention instead:
-``rotary`` rotates queries and keys (the attention layer calls it), and an additive bias such as
-T5's enters through the ``bias`` argument of ``dot_product_attention``.
+``rotary`` rotates queries and keys (the attention layer calls it), and T5's bucketed bias
+(``RelativePositionBias``, ``relative_position_bucket``) enters through the ``bias`` argument of
+``dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -84,3 +85,110 @@ def rotary(x: Array, positions: Array, max_timescale: float = 10000.0) -> Array:
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- relative bias
+
+
+def _check_bucket_args(num_buckets: int, max_distance: int, bidirectional: bool) -> int:
+    """Validates the bucketing settings; returns max_exact (distances below it get a bucket
+    each)."""
+    for name, value in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    if num_buckets < 4 or num_buckets % 2:
+        raise ValueError(f"num_buckets must be even and >= 4; got {num_buckets}")
+    max_exact = num_buckets // (4 if bidirectional else 2)
+    if max_distance <= num_buckets // 2:
+        raise ValueError(
+            f"max_distance must exceed num_buckets // 2 = {num_buckets // 2} (the largest "
+            f"distance with a bucket of its own); got {max_distance}"
+        )
+    return max_exact
+
+
+def _log_buckets(max_exact: int, log_buckets: int, max_distance: int) -> np.ndarray:
+    """int32 `[max_distance + 1]`: for distance n >= max_exact, ``max_exact + floor(log_buckets
+    * log(n / max_exact) / log(max_distance / max_exact))``, capped at ``max_exact +
+    log_buckets - 1``; entries below max_exact are unused (0).
+
+    The floor is found exactly, in integers: k <= R log(n/e) / log(m/e) iff m^k e^(R-k) <= n^R
+    (R = log_buckets, e = max_exact, m = max_distance), so boundaries such as n = 16, 32, 64
+    for T5's 32 buckets / 128 do not depend on float rounding.
+    """
+    table = np.zeros(max_distance + 1, np.int32)
+    for n in range(max_exact, max_distance + 1):
+        k = 0
+        while (
+            k + 1 < log_buckets
+            and max_distance ** (k + 1) * max_exact ** (log_buckets - k - 1) <= n**log_buckets
+        ):
+            k += 1
+        table[n] = max_exact + k
+    return table
+
+
+def relative_position_bucket(
+    relative_position: Array, bidirectional: bool, num_buckets: int, max_distance: int
+) -> Array:
+    """T5's bucket of each relative position (Raffel et al. 2020; Mesh TensorFlow's
+    ``_relative_position_bucket``), int32 of the same shape.
+
+    ``relative_position`` = key position - query position (int array, any shape). With
+    ``bidirectional`` (encoder) half of the buckets are for keys after the query (offset by
+    num_buckets / 2) and half for keys at or before it; otherwise (causal decoder) keys after
+    the query all share bucket 0 (they are masked anyway) and every bucket goes to the past.
+    Within a direction of B buckets, distance n = |relative_position| has its own bucket for
+    n < B / 2, then ``B/2 + floor((B/2) log(n / (B/2)) / log(max_distance / (B/2)))``
+    (logarithmically wider buckets), and every n >= max_distance shares the last bucket B - 1.
+
+    num_buckets: even, >= 4. max_distance: > num_buckets // 2.
+    """
+    max_exact = _check_bucket_args(num_buckets, max_distance, bidirectional)
+    relative_position = jnp.asarray(relative_position)
+    if not jnp.issubdtype(relative_position.dtype, jnp.integer):
+        raise ValueError(
+            f"relative_position must be an integer array; got dtype {relative_position.dtype}"
+        )
+    n = -relative_position.astype(jnp.int32)  # > 0: the key is before the query
+    offset = jnp.zeros_like(n)
+    if bidirectional:
+        buckets = num_buckets // 2
+        offset = jnp.where(n < 0, buckets, 0)
+        n = jnp.abs(n)
+    else:
+        buckets = num_buckets
+        n = jnp.maximum(n, 0)
+    log_table = jnp.asarray(_log_buckets(max_exact, buckets - max_exact, max_distance))
+    large = jnp.take(log_table, jnp.minimum(n, max_distance))
+    return offset + jnp.where(n < max_exact, n, large)
+
+
+class RelativePositionBias(nn.Module):
+    """T5's learned relative position bias: one table `[num_buckets, heads]` per layer stack,
+    looked up by ``relative_position_bucket`` of every (query, key) pair.
+
+    ``__call__(query_positions [batch|1, q_len], key_positions [batch|1, kv_len])`` -> float32
+    bias `[batch|1, heads, q_len, kv_len]` for ``dot_product_attention``'s ``bias``.
+    """
+
+    num_heads: int
+    num_buckets: int = 32
+    max_distance: int = 128
+    bidirectional: bool = True
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, query_positions: Array, key_positions: Array) -> Array:
+        table = self.param(
+            "embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "heads")),
+            (self.num_buckets, self.num_heads),
+            self.param_dtype,
+        )
+        relative = key_positions[:, None, :] - query_positions[:, :, None]  # [b, q, k]
+        buckets = relative_position_bucket(
+            relative, self.bidirectional, self.num_buckets, self.max_distance
+        )
+        bias = jnp.take(jnp.asarray(table, jnp.float32), buckets, axis=0)  # [b, q, k, heads]
+        return jnp.transpose(bias, (0, 3, 1, 2))

@@ -48,6 +48,10 @@ COMMON_KEYS = (
     " allow_changes"
 ).split()
 
+# Keys any run may add: start from pretrained weights (train.py workdir, Hugging Face Marian
+# folder or hub id; flaxformer_lite/init_from.py) and parameter-name patterns to freeze.
+OPTIONAL_KEYS = ("init_from", "freeze")
+
 # The further keys each task reads (flaxformer_lite/tasks.py, data.build_translation_data) or
 # that the inference CLIs read from the run's config.json (beam_size, alpha).
 TASK_KEYS: dict[str, tuple[str, ...]] = {
@@ -57,7 +61,8 @@ TASK_KEYS: dict[str, tuple[str, ...]] = {
             "dataset dataset_config data_dir data_format streaming source_lang target_lang"
             " source_column target_column train_split eval_split test_split local_splits"
             " vocab_size shared_vocab spm_model_type max_len too_long packing tokens_per_batch"
-            " batch_size_multiple beam_size alpha"
+            " batch_size_multiple beam_size alpha tokenizer beam_style early_stopping forced_eos"
+            " ban_pad"
         ).split()
     ),
     "lm": tuple(
@@ -195,7 +200,7 @@ def check_config(config: Any, *, device_count: int | None = None) -> None:
 def check_keys(config: Any) -> None:
     """Rejects keys no part of a ``config.task`` run reads, and missing required keys."""
     task = config.task
-    known = (*COMMON_KEYS, *TASK_KEYS[task])
+    known = (*COMMON_KEYS, *TASK_KEYS[task], *OPTIONAL_KEYS)
     _reject_unknown("config", config.keys(), known, f"a config key of task {task!r}")
     for key in (*COMMON_KEYS, *REQUIRED_TASK_KEYS[task]):
         if key not in config:
@@ -261,9 +266,43 @@ def _bool(config: Any, key: str) -> None:
         raise ConfigError(f"config.{key} must be True or False; got {config.get(key)!r}")
 
 
+def _check_init_from(config: Any) -> None:
+    """``init_from``: a folder that exists, a ``gs://`` URI or a hub id ("owner/name");
+    ``freeze``: a sequence of valid regular expressions."""
+    source = config.get("init_from")
+    if "tokenizer" in config and not config.get("tokenizer"):
+        raise ConfigError(
+            "config.tokenizer is not set (configs/finetune_marian.py takes it from "
+            "config.init_from): give --config.init_from=DIR_OR_HUB_ID, the pretrained model"
+        )
+    if source:
+        local = not paths.is_uri(source) and (
+            source.startswith((".", "/", "~")) or source.count("/") > 1
+        )
+        if local and not paths.resolve(source).is_dir():
+            raise ConfigError(
+                f"config.init_from={source!r} is not a folder; give a train.py workdir, a "
+                "Hugging Face model folder, or a hub id such as 'Helsinki-NLP/opus-mt-en-de'"
+            )
+    freeze = config.get("freeze") or ()
+    if isinstance(freeze, str):
+        raise ConfigError(
+            f"config.freeze must be a tuple of regular expressions; got the string {freeze!r} "
+            f"(write ({freeze!r},))"
+        )
+    import re
+
+    for pattern in freeze:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ConfigError(f"config.freeze pattern {pattern!r} is not a regex: {e}") from e
+
+
 def check_values(config: Any, *, device_count: int | None = None) -> None:
     """Every value the loop, optimizer, mesh and model read, each against its valid range."""
     task = config.task
+    _check_init_from(config)
     _int_at_least(config, "seed", 0)
     if config.optimizer not in optim.OPTIMIZERS:
         raise ConfigError(
@@ -442,6 +481,11 @@ def _model_changes(config: Any, saved: Mapping[str, Any]) -> dict[str, tuple[Any
     data-derived ones (vocabulary sizes, and max_len / share_embeddings / the special ids when
     the data sets them) are left to the data keys of config.json."""
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    if config.get("init_from"):
+        # The pretrained architecture (the one the run saved), with config.model's overrides.
+        from flaxformer_lite.init_from import pretrained_config
+
+        defaults = {**defaults, **pretrained_config(config.init_from).to_dict()}
     new = {**defaults, **expected_model_fields(config, 1, 1)}
     derived = set(DATA_MODEL_KEYS)
     if "max_len" not in config.model:

@@ -153,10 +153,14 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules=LOGICAL_RULES) -> An
     """NamedShardings for a tree whose leaves may be ``nn.LogicallyPartitioned`` boxes
     (``logical_to_spec`` of each box's names and shape).
 
-    Unboxed leaves (step counters, RNG keys, optimizer counts) are replicated.
+    Unboxed leaves (step counters, RNG keys, optimizer counts) are replicated. A box around
+    an empty subtree (``optax.MaskedNode``: no optimizer state for a frozen parameter) stays
+    that empty subtree.
     """
 
-    def one(leaf: Any) -> NamedSharding:
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, nn.Partitioned) and not hasattr(leaf.value, "shape"):
+            return leaf.value
         if isinstance(leaf, nn.Partitioned):
             spec = logical_to_spec(leaf.names, leaf.value.shape, mesh.shape, rules)
             return NamedSharding(mesh, spec)

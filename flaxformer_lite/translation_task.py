@@ -91,6 +91,25 @@ def _location_fields(config: Any) -> str:
     return f"of config.dataset={config.dataset!r}"
 
 
+def pretrained_vocabulary(source: str, workdir: str) -> tuple[Any, Any, list[str]]:
+    """(source side, target side, file paths) of the Marian tokenizer of ``source`` (a
+    Hugging Face folder or hub id, see ``hf.resolve``), copied into ``workdir`` by process 0
+    when it has none (``source.spm``, ``target.spm``, ``vocab.json``) and read from there by
+    every process, on resume and by the Translator."""
+    from flaxformer_lite.marian_tokenizer import REQUIRED_FILES, MarianTokenizer
+
+    def get(writer: bool) -> Any:
+        if writer and not (paths.resolve(workdir) / "vocab.json").is_file():
+            from flaxformer_lite import hf
+
+            MarianTokenizer.load(str(hf.resolve(source))).save(workdir)
+        return MarianTokenizer.load(workdir)
+
+    tokenizer = main_process_first(get, "vocabulary")
+    files = [os.path.join(workdir, name) for name in REQUIRED_FILES]
+    return tokenizer.source, tokenizer.target, files
+
+
 def build_translation_data(
     config: Any,
     workdir: str,
@@ -179,14 +198,17 @@ def build_translation_data(
         return (text for pair in itertools.chain([first], pairs) for text in pair[sides])
 
     paths.makedirs(workdir)
-    names = ["spm_shared.model"] if config.shared_vocab else ["spm_src.model", "spm_tgt.model"]
-    vocab_paths = [os.path.join(workdir, name) for name in names]
-    sides = [slice(0, 2)] if config.shared_vocab else [slice(0, 1), slice(1, 2)]
-    tokenizers = [
-        vocabulary(path, functools.partial(train_texts, side), config)
-        for path, side in zip(vocab_paths, sides, strict=True)
-    ]
-    src_tokenizer, tgt_tokenizer = tokenizers[0], tokenizers[-1]
+    if getattr(config, "tokenizer", None):  # a pretrained model's Marian tokenizer
+        src_tokenizer, tgt_tokenizer, vocab_paths = pretrained_vocabulary(config.tokenizer, workdir)
+    else:
+        names = ["spm_shared.model"] if config.shared_vocab else ["spm_src.model", "spm_tgt.model"]
+        vocab_paths = [os.path.join(workdir, name) for name in names]
+        sides = [slice(0, 2)] if config.shared_vocab else [slice(0, 1), slice(1, 2)]
+        tokenizers = [
+            vocabulary(path, functools.partial(train_texts, side), config)
+            for path, side in zip(vocab_paths, sides, strict=True)
+        ]
+        src_tokenizer, tgt_tokenizer = tokenizers[0], tokenizers[-1]
     pad_id = vocabulary_ids(src_tokenizer, tgt_tokenizer)["pad_id"]
 
     max_len = config.max_len
@@ -324,7 +346,11 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
         idx = batch["index"]
         inputs.append(batch["inputs"])
         refs.append([d.eval_pairs[i][1] if i >= 0 else None for i in idx])
-    shared = d.src_tokenizer is d.tgt_tokenizer
+    # One vocabulary: the same tokenizer, or a Marian tokenizer's two sides over one table.
+    shared = d.src_tokenizer is d.tgt_tokenizer or (
+        d.src_tokenizer.vocab_size == d.tgt_tokenizer.vocab_size
+        and getattr(d.tgt_tokenizer, "shares_table_with", lambda _: False)(d.src_tokenizer)
+    )
     return Task(
         kind="translation",
         train=d.train,

@@ -7,8 +7,9 @@ LayerNorm(x + Sublayer(x)) (section 3.1; "pre" is the pre-LN variant x + Sublaye
 final norm), the feed-forward max(0, xW1 + b1)W2 + b2 (equation 2) and the pre-softmax
 projection tied to the embedding (section 3.4). Options beyond the paper follow their own
 papers: gated FFNs act(xW) * (xV) W2 (Shazeer 2020, GELU in its tanh form as in T5/GPT-2),
-RMSNorm (Zhang & Sennrich 2019), rotary embeddings (RoFormer, Su et al. 2021) and grouped-query
-attention (Ainslie et al. 2023: query head h reads key/value head h // (heads / kv_heads)).
+RMSNorm (Zhang & Sennrich 2019), rotary embeddings (RoFormer, Su et al. 2021), T5's bucketed
+relative position bias (Raffel et al. 2020) and grouped-query attention (Ainslie et al. 2023:
+query head h reads key/value head h // (heads / kv_heads)).
 Restricted self-attention (the paper's Table 1, neighbourhood r = ``attention_window``): query i
 sees keys j with |i - j| <= r, in the stacks ``attention_window_layers`` names. Heads are
 d_k = d_v = ``head_dim`` wide when the config sets it (the paper: d_model / h), so attention
@@ -100,6 +101,38 @@ def rotate(x: np.ndarray, positions: np.ndarray, base: float = 10000.0) -> np.nd
     return out
 
 
+def relative_bucket(relative: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+    """T5's bucket of one relative position (key - query), as written in Mesh TensorFlow's
+    ``_relative_position_bucket``: exact buckets for small distances, logarithmic ones up to
+    max_distance, half of the buckets for each direction when bidirectional."""
+    n = -relative
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        if n < 0:
+            bucket += num_buckets
+        n = abs(n)
+    else:
+        n = max(n, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return bucket + n
+    scaled = math.log(n / max_exact) / math.log(max_distance / max_exact)
+    return bucket + min(max_exact + int(scaled * (num_buckets - max_exact)), num_buckets - 1)
+
+
+def relative_bias(cfg: Any, table: np.ndarray, length: int, bidirectional: bool) -> np.ndarray:
+    """`[heads, length, length]`: entry (h, i, j) is table[bucket(j - i), h]."""
+    out = np.zeros((table.shape[1], length, length))
+    for i in range(length):
+        for j in range(length):
+            bucket = relative_bucket(
+                j - i, bidirectional, cfg.relative_num_buckets, cfg.relative_max_distance
+            )
+            out[:, i, j] = table[bucket]
+    return out
+
+
 # ----------------------------------------------------------------------------- sub-layers
 
 
@@ -160,17 +193,19 @@ def softmax(z: np.ndarray) -> np.ndarray:
 
 
 def scaled_dot_product_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray, bias: np.ndarray | None = None
 ) -> np.ndarray:
     """Equation (1) per head. q `[b, m, h, dk]`, k and v `[b, n, hkv, dk]`, allowed bool
-    `[b, m, n]` -> `[b, m, h, dk]`. Query head i reads key/value head i // (h // hkv). A query
-    with no allowed key gets zeros."""
+    `[b, m, n]`, bias `[h, m, n]` added to the logits -> `[b, m, h, dk]`. Query head i reads
+    key/value head i // (h // hkv). A query with no allowed key gets zeros."""
     b, m, h, dk = q.shape
     group = h // k.shape[2]
     out = np.zeros_like(q)
     for head in range(h):
         kh, vh = k[:, :, head // group], v[:, :, head // group]  # [b, n, dk]
         logits = np.einsum("bmd,bnd->bmn", q[:, :, head], kh) / math.sqrt(dk)
+        if bias is not None:
+            logits = logits + bias[head][None]
         logits = np.where(allowed, logits, -np.inf)
         rows = allowed.any(-1)  # [b, m]
         weights = softmax(np.where(rows[..., None], logits, 0.0)) * rows[..., None]
@@ -218,10 +253,12 @@ def multi_head_attention(
     allowed: np.ndarray,
     *,
     rotary_positions: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
 ) -> np.ndarray:
     """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O. x_q `[b, m, d]`, x_kv `[b, n, d]`,
-    allowed `[b, m, n]`; rotary_positions `[b, m]` (self-attention only, m == n). Heads are
-    ``head_width(cfg)`` wide: the projections must have that shape."""
+    allowed `[b, m, n]`; rotary_positions `[b, m]` (self-attention only, m == n); bias
+    `[h, m, n]` on the logits (T5's relative position bias). Heads are ``head_width(cfg)``
+    wide: the projections must have that shape."""
     q, k, v = _qkv(p, x_q, x_kv)
     want = (cfg.num_heads, head_width(cfg))
     if q.shape[2:] != want or k.shape[3] != want[1] or p["out"]["kernel"].shape[:2] != want:
@@ -231,7 +268,7 @@ def multi_head_attention(
         )
     if rotary_positions is not None:
         q, k = rotate(q, rotary_positions), rotate(k, rotary_positions)
-    heads = scaled_dot_product_attention(q, k, v, allowed)
+    heads = scaled_dot_product_attention(q, k, v, allowed, bias)
     out = np.einsum("bnhk,hkd->bnd", heads, p["out"]["kernel"])
     return out + p["out"]["bias"] if "bias" in p["out"] else out
 
@@ -277,6 +314,9 @@ def encoder(cfg: Any, p: Params, table: np.ndarray, tokens: np.ndarray) -> np.nd
     real = tokens != cfg.pad_id
     allowed = real[:, None, :] & real[:, :, None] & _window(cfg, "encoder", tokens.shape[1])
     rot = _positions(tokens) if cfg.position == "rotary" else None
+    bias = None
+    if cfg.position == "relative":  # one table for the whole stack, both directions
+        bias = relative_bias(cfg, p["relative_bias"]["embedding"], tokens.shape[1], True)
     x = embed(cfg, table, p, tokens)
     for lp in layer_params(p, cfg.num_encoder_layers):
         x = sub_layer(
@@ -284,7 +324,7 @@ def encoder(cfg: Any, p: Params, table: np.ndarray, tokens: np.ndarray) -> np.nd
             lp["self_attention_norm"],
             x,
             lambda h, lp=lp: multi_head_attention(
-                cfg, lp["self_attention"], h, h, allowed, rotary_positions=rot
+                cfg, lp["self_attention"], h, h, allowed, rotary_positions=rot, bias=bias
             ),
         )
         x = sub_layer(cfg, lp["mlp_norm"], x, lambda h, lp=lp: feed_forward(cfg, lp["mlp"], h))
@@ -310,6 +350,9 @@ def decoder(
     # which Marian makes the pad id), as in Hugging Face's decoders.
     self_allowed = np.broadcast_to(causal, (decoder_inputs.shape[0], n, n))
     rot = _positions(decoder_inputs) if cfg.position == "rotary" else None
+    bias = None
+    if cfg.position == "relative":  # one table for the whole stack, causal buckets
+        bias = relative_bias(cfg, p["relative_bias"]["embedding"], n, False)
     cross_allowed = None
     if encoded is not None:
         cross_allowed = np.broadcast_to(
@@ -322,7 +365,7 @@ def decoder(
             lp["self_attention_norm"],
             x,
             lambda h, lp=lp: multi_head_attention(
-                cfg, lp["self_attention"], h, h, self_allowed, rotary_positions=rot
+                cfg, lp["self_attention"], h, h, self_allowed, rotary_positions=rot, bias=bias
             ),
         )
         if encoded is not None:

@@ -80,7 +80,67 @@ def data(tmp_path_factory) -> dict[str, Path]:
     for name in ("train", "dev"):
         lines = (sst2 / f"{name}.tsv").read_text().splitlines()
         (imdb / f"{name}.tsv").write_text("\n".join(["text\tlabel", *lines[1:]]) + "\n")
-    return {"multi30k": multi30k, "wmt14": wmt14, "sst2": sst2, "imdb": imdb, "text": text}
+    marian = root / "marian"  # a "pretrained" Marian folder of TINY_MODEL's size, random
+    marian_folder(marian, [t for pair in pairs for t in pair])
+    return {
+        "multi30k": multi30k,
+        "wmt14": wmt14,
+        "sst2": sst2,
+        "imdb": imdb,
+        "text": text,
+        "marian": marian,
+    }
+
+
+def marian_folder(folder: Path, texts: list[str]) -> None:
+    """A Hugging Face Marian folder written by our own save_pretrained (no torch needed):
+    SentencePiece models on ``texts``, Marian's vocab.json, random TINY_MODEL weights."""
+    import jax
+    import sentencepiece as spm
+
+    from flaxformer_lite import EncoderDecoder, TransformerConfig, hf
+    from flaxformer_lite.marian_tokenizer import MarianTokenizer
+
+    folder.mkdir()
+    for side in ("source", "target"):
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts),
+            model_prefix=str(folder / side),
+            vocab_size=40,
+            hard_vocab_limit=False,
+            bos_id=-1,
+            eos_id=1,
+            unk_id=0,
+            pad_id=-1,
+        )
+    vocab = {"</s>": 0, "<unk>": 1}
+    for side in ("source", "target"):
+        sp = spm.SentencePieceProcessor(model_file=str(folder / f"{side}.model"))
+        for i in range(sp.get_piece_size()):
+            vocab.setdefault(sp.id_to_piece(i), len(vocab))
+    vocab.pop("<s>", None)
+    vocab = {p: i for i, p in enumerate(vocab)}
+    vocab["<pad>"] = len(vocab)
+    tokenizer = MarianTokenizer(
+        (folder / "source.model").read_bytes(), (folder / "target.model").read_bytes(), vocab
+    )
+    pad = len(vocab) - 1
+    config = TransformerConfig(
+        vocab_size=len(vocab),
+        activation="silu",
+        sinusoid_layout="halves",
+        logits_bias=True,
+        layer_norm_epsilon=1e-5,
+        pad_id=pad,
+        bos_id=pad,
+        eos_id=0,
+        unk_id=1,
+        max_len=64,
+        **TINY_MODEL,
+    )
+    x = jax.numpy.ones((1, 4), jax.numpy.int32)
+    params = EncoderDecoder(config).init(jax.random.key(0), x, x)["params"]
+    hf.save_pretrained(str(folder), config, params, tokenizer)
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -130,6 +190,14 @@ RUNS = {
         lambda d: dict(data_dir=str(d["imdb"]), vocab_size=48, max_len=16, batch_size=8),
         {"eval/accuracy"},
         "spm_cls.model",
+    ),
+    # Starts from the "pretrained" Marian folder and its tokenizer (copied into the workdir).
+    "finetune_marian": (
+        lambda d: dict(
+            init_from=str(d["marian"]), data_dir=str(d["multi30k"]), decode_eval=True, **TRANSLATION
+        ),
+        {"eval/bleu"},
+        "vocab.json",
     ),
 }
 

@@ -132,6 +132,11 @@ COUNT_CASES = {
         "decoder_only",
     ),
     "lm_learned_pre": (SMALL.replace(position="learned", norm_position="pre"), "decoder_only"),
+    "relative_head_dim_6": (
+        SMALL.replace(position="relative", relative_num_buckets=8, head_dim=6),
+        "encoder_decoder",
+    ),
+    "lm_relative": (SMALL.replace(position="relative", num_heads=4), "decoder_only"),
     "classifier_attention_pooling": (
         SMALL.replace(pooling="attention", head_dim=20, num_kv_heads=1),
         "classifier",

@@ -121,6 +121,9 @@ SEQ2SEQ = {
         eos_id=0,
         unk_id=1,
     ),
+    # T5's relative position bias: 8 buckets, max distance 7 (no distance lands on an exact
+    # bucket boundary, where float64 rounding in the reference could flip a bucket).
+    "relative": TINY.replace(position="relative", relative_num_buckets=8, relative_max_distance=7),
     # Restricted attention: r = 2 keys on each side (encoder), a sliding window (decoder).
     "window_both": TINY.replace(attention_window=2),
     "window_encoder_blockwise": TINY.replace(
@@ -154,6 +157,13 @@ DECODER_ONLY = {
     "rotary_geglu_mqa_fused": TINY.replace(
         position="rotary", activation="geglu", num_kv_heads=1, fused_qkv=True
     ),
+    "relative_pre_scan": TINY.replace(
+        position="relative",
+        relative_num_buckets=8,
+        relative_max_distance=10,
+        norm_position="pre",
+        scan_layers=True,
+    ),
     "window_rotary_blockwise": TINY.replace(
         attention_window=3, position="rotary", attention_implementation="blockwise"
     ),
@@ -186,6 +196,9 @@ CLASSIFIER = {
     ),
     "post_rotary_first": TINY.replace(position="rotary", pooling="first"),
     "post_attention_pooling": TINY.replace(pooling="attention"),
+    "relative_mean": TINY.replace(
+        position="relative", relative_num_buckets=8, relative_max_distance=7
+    ),
     "window_mean": TINY.replace(attention_window=2),
 }
 
