@@ -121,6 +121,11 @@ class TransformerConfig:
         encoder gives half to keys before the query and half to keys after it.
       relative_max_distance: distances from this on share the last bucket (T5: 128); must
         exceed relative_num_buckets // 2.
+      head_dim: width of each attention head (queries, keys and values); None =
+        d_model // num_heads (then d_model must be divisible by num_heads). Set apart from
+        d_model, the projections are `[d_model, heads, head_dim]` and the output projection
+        `[heads, head_dim, d_model]`, so attention is num_heads * head_dim wide inside and
+        d_model wide outside. ``effective_head_dim`` is the width in use either way.
     """
 
     vocab_size: int = 37000
@@ -167,6 +172,7 @@ class TransformerConfig:
     attention_window_layers: str = "both"
     relative_num_buckets: int = 32
     relative_max_distance: int = 128
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -179,16 +185,18 @@ class TransformerConfig:
                 raise ValueError(
                     f"TransformerConfig.{name} must be a positive integer; got {value!r}"
                 )
-        for name in ("target_vocab_size", "num_kv_heads"):
+        for name in ("target_vocab_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            bad = not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            if value is not None and bad:
                 raise ValueError(
                     f"TransformerConfig.{name} must be None or a positive integer; got {value!r}"
                 )
-        if self.d_model % self.num_heads:
+        if self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(
                 f"TransformerConfig.d_model ({self.d_model}) must be divisible by "
-                f"num_heads ({self.num_heads})"
+                f"num_heads ({self.num_heads}) when head_dim is None (head_dim = d_model // "
+                "num_heads); or set head_dim"
             )
         if self.num_heads % self.kv_heads:
             raise ValueError(
@@ -247,9 +255,11 @@ class TransformerConfig:
                 f"TransformerConfig.d_model must be even for sinusoidal positions; "
                 f"got {self.d_model}"
             )
-        if self.position == "rotary" and self.head_dim % 2:
+        if self.position == "rotary" and self.effective_head_dim % 2:
             raise ValueError(
-                f"rotary positions need an even head_dim (d_model / num_heads); got {self.head_dim}"
+                "TransformerConfig.head_dim must be even for rotary positions (channel pairs "
+                f"are rotated); got head_dim={self.head_dim}, effective width "
+                f"{self.effective_head_dim} (d_model / num_heads when head_dim is None)"
             )
         if self.share_embeddings and self.output_vocab_size != self.vocab_size:
             raise ValueError(
@@ -336,8 +346,9 @@ class TransformerConfig:
 
     # Derived sizes.
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+    def effective_head_dim(self) -> int:
+        """The width of each attention head: ``head_dim``, or d_model // num_heads if None."""
+        return self.head_dim or self.d_model // self.num_heads
 
     @property
     def kv_heads(self) -> int:

@@ -1,9 +1,10 @@
-"""Model FLOPs for MFU: an analytic count of every matmul, and the measured matmul peak.
+"""Model FLOPs for MFU: an analytic count of every matmul, and the measured matmul peak;
+the parameter count from its formula (``parameter_count``).
 
 MFU = model FLOPs per second / peak matmul FLOPs per second of the same machine, where the model
 FLOPs count 2*m*n*k for every matrix product of the forward pass and forward + backward = 3 x
 forward. Per layer on ``n`` query and ``m`` key positions, with ``h`` query heads, ``kv`` key/value
-heads of width ``hd`` (``config.head_dim``) and model width ``d``:
+heads of width ``hd`` (``config.effective_head_dim``) and model width ``d``:
 
   query and output projections   2 * n * d * (h * hd)        each
   key and value projections      2 * m * d * (kv * hd)       each (multi-/grouped-query: kv < h)
@@ -32,7 +33,7 @@ from flaxformer_lite.config import TransformerConfig
 
 def _attention_flops(config: TransformerConfig, n: int, m: int) -> int:
     """One attention layer: ``n`` queries over ``m`` keys/values (projections included)."""
-    d, hd = config.d_model, config.head_dim
+    d, hd = config.d_model, config.effective_head_dim
     q_width, kv_width = config.num_heads * hd, config.kv_heads * hd
     projections = 2 * n * d * q_width * 2 + 2 * m * d * kv_width * 2  # q, out; k, v
     scores_and_values = 2 * n * m * q_width * 2
@@ -80,6 +81,78 @@ def forward_flops(
         )
     head = 2 * config.d_model * num_classes
     return float(batch * ((encoder if s else 0) + decoder + head))
+
+
+MODEL_KINDS = ("encoder_decoder", "decoder_only", "classifier")
+
+
+def _attention_params(config: TransformerConfig) -> int:
+    """One attention layer: query `[d, h, hd]`, key and value `[d, kv, hd]`, output
+    `[h, hd, d]` (the same count fused or not), with biases `[h, hd]`, `[kv, hd]`, `[d]`."""
+    d, hd = config.d_model, config.effective_head_dim
+    q_width, kv_width = config.num_heads * hd, config.kv_heads * hd
+    weights = 2 * d * q_width + 2 * d * kv_width
+    biases = q_width + 2 * kv_width + d if config.use_bias else 0
+    return weights + biases
+
+
+def _ffn_params(config: TransformerConfig, index: int) -> int:
+    """Layer ``index``'s feed-forward block: dense, or ``num_experts`` copies plus the
+    router `[d, experts]` (biases, when ``use_bias``, on every expert)."""
+    d, f = config.d_model, config.d_ff
+    gated = config.activation in ("swiglu", "geglu")
+    dense = (3 if gated else 2) * d * f
+    if config.use_bias:
+        dense += (2 if gated else 1) * f + d
+    if not config.is_moe_layer(index):
+        return dense
+    return config.num_experts * dense + d * config.num_experts
+
+
+def parameter_count(config: TransformerConfig, model: str = "encoder_decoder") -> int:
+    """Number of parameters (scalars) of ``model`` built from ``config``, from the formula.
+
+    ``model``: "encoder_decoder" (``EncoderDecoder``), "decoder_only" (``DecoderOnly``) or
+    "classifier" (``EncoderClassifier``). Counts embeddings (shared or not), learned position
+    tables and relative position bias tables (one per stack), every layer's attention
+    (``_attention_params``: widths num_heads * head_dim and kv_heads * head_dim, so
+    ``head_dim`` apart from d_model / num_heads changes them), feed-forward or
+    mixture-of-experts blocks, norms (LayerNorm: scale and bias; RMSNorm: scale; a final norm
+    per stack when pre-LN), the untied output projection, the logits bias and the classifier
+    head (and its pooling query). ``scan_layers`` stacks the same parameters, so it does not
+    change the count.
+    """
+    if model not in MODEL_KINDS:
+        raise ValueError(f"model must be one of {MODEL_KINDS}; got {model!r}")
+    d = config.d_model
+    norm = d * (1 if config.norm_type == "rmsnorm" else 2)
+    final_norm = norm if config.norm_position == "pre" else 0
+    positions = {
+        "learned": config.max_len * d,  # a `[max_len, d]` table per stack
+        "relative": config.relative_num_buckets * config.num_heads,  # `[buckets, heads]`
+    }.get(config.position, 0)
+    attention = _attention_params(config)
+
+    def stack(layers: int, attentions: int) -> int:
+        per_layer = [
+            attentions * attention + _ffn_params(config, i) + (attentions + 1) * norm
+            for i in range(layers)
+        ]
+        return sum(per_layer) + final_norm + positions
+
+    encoder = stack(config.num_encoder_layers, 1)
+    if model == "classifier":
+        head = d * config.num_classes + config.num_classes
+        pooling = d if config.pooling == "attention" else 0
+        return config.vocab_size * d + encoder + head + pooling
+    vocab_out = config.output_vocab_size
+    output = (0 if config.tie_output_embedding else d * vocab_out) + (
+        vocab_out if config.logits_bias else 0
+    )
+    if model == "decoder_only":
+        return config.vocab_size * d + stack(config.num_decoder_layers, 1) + output
+    embeddings = config.vocab_size * d + (0 if config.share_embeddings else vocab_out * d)
+    return embeddings + encoder + stack(config.num_decoder_layers, 2) + output
 
 
 def train_flops(

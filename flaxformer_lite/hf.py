@@ -171,6 +171,11 @@ def _marian_problems(config: TransformerConfig) -> list[str]:
         )
     if config.kv_heads != config.num_heads:
         problems.append(f"num_kv_heads={config.num_kv_heads} (Marian: multi-head, None)")
+    if config.effective_head_dim * config.num_heads != config.d_model:
+        problems.append(
+            f"head_dim={config.head_dim} (Marian: d_model / num_heads = "
+            f"{config.d_model / config.num_heads:g}, or None)"
+        )
     return problems
 
 
@@ -282,7 +287,7 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: TransformerC
     """
     state = _strip_prefix(state)
     used: set[str] = set()
-    d, h, hd = config.d_model, config.num_heads, config.head_dim
+    d, h, hd = config.d_model, config.num_heads, config.effective_head_dim
 
     def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in state:

@@ -615,7 +615,7 @@ def _attention(
 ) -> MultiHeadAttention:
     return MultiHeadAttention(
         num_heads=config.num_heads,
-        head_dim=config.head_dim,
+        head_dim=config.effective_head_dim,
         num_kv_heads=config.num_kv_heads,
         dropout_rate=config.attention_dropout_rate,
         use_bias=config.use_bias,

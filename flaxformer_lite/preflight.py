@@ -160,6 +160,7 @@ SHAPE_FIELDS = (
     "model.scan_layers",
     "model.fused_qkv",
     "model.num_classes",
+    "model.head_dim",
 )
 
 

@@ -174,15 +174,22 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules=LOGICAL_RULES) -> An
 def check_attention_fits_mesh(config: Any, mesh: Mesh | dict[str, int]) -> None:
     """Fails, naming the field, when tensor parallelism cannot split every attention kernel of
     ``config`` (a TransformerConfig) over ``mesh``'s "tensor" axis. Query heads (and the output
-    projection) split over it; key/value kernels split their kv heads, or else d_model, which
-    then always divides (d_model = num_heads * head_dim). Call it where the mesh meets the
-    config (train.py does, before initialising)."""
+    projection) split over it; key/value kernels split their kv heads, or else d_model (which
+    divides when d_model = num_heads * head_dim, but need not with ``head_dim`` set apart).
+    Call it where the mesh meets the config (train.py does, before initialising)."""
     tensor = int(dict(mesh.shape if isinstance(mesh, Mesh) else mesh).get("tensor", 1))
     if tensor > 1 and config.num_heads % tensor:
         raise ValueError(
             f"TransformerConfig.num_heads ({config.num_heads}) must be divisible by the tensor-"
             f"parallel degree {tensor} (mesh_shape's third entry) to split attention heads; "
             "change num_heads or mesh_shape"
+        )
+    if tensor > 1 and config.kv_heads % tensor and config.d_model % tensor:
+        raise ValueError(
+            f"TransformerConfig.d_model ({config.d_model}) must be divisible by the tensor-"
+            f"parallel degree {tensor} when its {config.kv_heads} key/value head(s) are not: "
+            "the key/value kernels then split d_model (set with head_dim apart from "
+            "d_model / num_heads); change d_model, head_dim, num_kv_heads or mesh_shape"
         )
 
 

@@ -11,7 +11,9 @@ RMSNorm (Zhang & Sennrich 2019), rotary embeddings (RoFormer, Su et al. 2021), T
 relative position bias (Raffel et al. 2020) and grouped-query attention (Ainslie et al. 2023:
 query head h reads key/value head h // (heads / kv_heads)).
 Restricted self-attention (the paper's Table 1, neighbourhood r = ``attention_window``): query i
-sees keys j with |i - j| <= r, in the stacks ``attention_window_layers`` names.
+sees keys j with |i - j| <= r, in the stacks ``attention_window_layers`` names. Heads are
+d_k = d_v = ``head_dim`` wide when the config sets it (the paper: d_model / h), so attention
+is h * d_k wide between its projections and d_model wide outside them.
 
 Nothing here imports flaxformer_lite or jax. The inputs are a nested mapping of parameters (the
 ``params`` collection; leaves may be boxed, anything with ``.value``), the config (read only
@@ -238,6 +240,11 @@ def _qkv(p: Params, x_q: np.ndarray, x_kv: np.ndarray):
     return tuple(out)
 
 
+def head_width(cfg: Any) -> int:
+    """d_k = d_v of the paper's section 3.2.2: ``cfg.head_dim`` when set, else d_model / h."""
+    return cfg.head_dim or cfg.d_model // cfg.num_heads
+
+
 def multi_head_attention(
     cfg: Any,
     p: Params,
@@ -250,8 +257,15 @@ def multi_head_attention(
 ) -> np.ndarray:
     """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O. x_q `[b, m, d]`, x_kv `[b, n, d]`,
     allowed `[b, m, n]`; rotary_positions `[b, m]` (self-attention only, m == n); bias
-    `[h, m, n]` on the logits (T5's relative position bias)."""
+    `[h, m, n]` on the logits (T5's relative position bias). Heads are ``head_width(cfg)``
+    wide: the projections must have that shape."""
     q, k, v = _qkv(p, x_q, x_kv)
+    want = (cfg.num_heads, head_width(cfg))
+    if q.shape[2:] != want or k.shape[3] != want[1] or p["out"]["kernel"].shape[:2] != want:
+        raise ValueError(
+            f"attention parameters do not have heads x head_dim {want}: query {q.shape[2:]}, "
+            f"key {k.shape[2:]}, output kernel {p['out']['kernel'].shape}"
+        )
     if rotary_positions is not None:
         q, k = rotate(q, rotary_positions), rotate(k, rotary_positions)
     heads = scaled_dot_product_attention(q, k, v, allowed, bias)

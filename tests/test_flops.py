@@ -8,11 +8,19 @@ multi-query and grouped-query key/value projections and the attention scores inc
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from flaxformer_lite import DecoderOnly, EncoderDecoder, TransformerConfig, flops
+from flaxformer_lite import (
+    DecoderOnly,
+    EncoderClassifier,
+    EncoderDecoder,
+    TransformerConfig,
+    flops,
+)
 
 BASE = TransformerConfig(
     vocab_size=256,
@@ -32,6 +40,8 @@ CASES = {
     "swiglu_lm": (BASE.replace(activation="swiglu"), False),
     "multi_query_seq2seq": (BASE.replace(num_kv_heads=1), True),
     "grouped_query_geglu_lm": (BASE.replace(num_kv_heads=2, activation="geglu"), False),
+    # Heads 48 wide (not 128 / 4 = 32): attention is 192 wide between its projections.
+    "head_dim_48_seq2seq": (BASE.replace(head_dim=48), True),
 }
 
 
@@ -76,3 +86,91 @@ def test_mixture_of_experts_counts_the_routed_experts_and_the_router():
     assert flops.forward_flops(moe, BATCH, SRC, TGT) - flops.forward_flops(
         dense, BATCH, SRC, TGT
     ) == pytest.approx(expected)
+
+
+SMALL = TransformerConfig(
+    vocab_size=40,
+    d_model=16,
+    num_heads=2,
+    d_ff=24,
+    num_encoder_layers=2,
+    num_decoder_layers=3,
+    max_len=12,
+    num_classes=3,
+)
+# name: (config, model kind): every switch that adds, removes or reshapes a parameter.
+COUNT_CASES = {
+    "paper": (SMALL, "encoder_decoder"),
+    "head_dim_12_gqa_fused": (
+        SMALL.replace(head_dim=12, num_heads=4, num_kv_heads=2, fused_qkv=True),
+        "encoder_decoder",
+    ),
+    "head_dim_5_mqa_untied_learned_pre_rms_nobias": (
+        SMALL.replace(
+            head_dim=5,
+            num_kv_heads=1,
+            share_embeddings=False,
+            target_vocab_size=30,
+            tie_output_embedding=False,
+            logits_bias=True,
+            position="learned",
+            norm_position="pre",
+            norm_type="rmsnorm",
+            use_bias=False,
+            activation="swiglu",
+        ),
+        "encoder_decoder",
+    ),
+    "moe_geglu_scan": (
+        SMALL.replace(num_experts=3, moe_every=1, activation="geglu", scan_layers=True, head_dim=6),
+        "encoder_decoder",
+    ),
+    "moe_every_2_lm_untied_bias": (
+        SMALL.replace(
+            num_experts=4, moe_every=2, tie_output_embedding=False, logits_bias=True, head_dim=10
+        ),
+        "decoder_only",
+    ),
+    "lm_learned_pre": (SMALL.replace(position="learned", norm_position="pre"), "decoder_only"),
+    "relative_head_dim_6": (
+        SMALL.replace(position="relative", relative_num_buckets=8, head_dim=6),
+        "encoder_decoder",
+    ),
+    "lm_relative": (SMALL.replace(position="relative", num_heads=4), "decoder_only"),
+    "classifier_attention_pooling": (
+        SMALL.replace(pooling="attention", head_dim=20, num_kv_heads=1),
+        "classifier",
+    ),
+    "classifier_mean_pre": (SMALL.replace(norm_position="pre"), "classifier"),
+}
+MODELS = {
+    "encoder_decoder": EncoderDecoder,
+    "decoder_only": DecoderOnly,
+    "classifier": EncoderClassifier,
+}
+
+
+def initialised_parameter_count(cfg: TransformerConfig, kind: str) -> int:
+    """Scalars in the ``params`` of the model as ``init`` builds it (shapes only)."""
+    model = MODELS[kind](cfg)
+    tokens = jnp.ones((1, 5), jnp.int32)
+    args = (tokens, tokens) if kind == "encoder_decoder" else (tokens,)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))["params"]
+    return sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(nn.meta.unbox(shapes)))
+
+
+@pytest.mark.parametrize("name", list(COUNT_CASES))
+def test_parameter_count_formula_equals_the_initialised_model(name):
+    cfg, kind = COUNT_CASES[name]
+    assert flops.parameter_count(cfg, kind) == initialised_parameter_count(cfg, kind)
+
+
+def test_parameter_count_follows_head_dim_and_rejects_unknown_models():
+    """SMALL (d 16, 2 heads, multi-head, biases) has 2 encoder and 2 x 3 decoder attention
+    layers, each with 4 * d * (2 * hd) weights and 3 * (2 * hd) + d biases: head_dim 12
+    instead of 16 / 2 = 8 adds 4 * 16 * 8 + 3 * 8 = 536 parameters to each of the 8."""
+    wider = flops.parameter_count(SMALL.replace(head_dim=12))
+    assert wider - flops.parameter_count(SMALL) == (2 + 2 * 3) * 536
+    assert flops.parameter_count(SMALL.replace(head_dim=8)) == flops.parameter_count(SMALL)
+    with pytest.raises(ValueError, match="model must be one of"):
+        flops.parameter_count(SMALL, "encoder_only")

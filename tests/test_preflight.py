@@ -165,6 +165,8 @@ def _set(config, key: str, value):
         ("mesh_shape", None, r"config\.mesh_shape \(\d+, 1, 1\) does not fit this run: .*devices"),
         ("allow_changes", "learning_rte", r"allow_changes names 'learning_rte'.*learning_rate\?"),
         ("allow_changes", "model.d_model", r"cannot allow model\.d_model: it changes the shapes"),
+        ("allow_changes", "model.head_dim", r"cannot allow model\.head_dim: it changes the"),
+        ("model.head_dim", 0, r"config\.model: TransformerConfig\.head_dim must be None or a"),
         # Misspelt keys (in a config file, or set in code) and a key of another task.
         (
             "num_train_step",

@@ -129,6 +129,9 @@ SEQ2SEQ = {
     "window_encoder_blockwise": TINY.replace(
         attention_window=3, attention_window_layers="encoder", attention_implementation="blockwise"
     ),
+    # Heads 12 wide, not 32 / 4 = 8: attention 48 wide inside; fused multi-head self-attention,
+    # separate cross-attention projections.
+    "head_dim_12_fused": TINY.replace(head_dim=12, fused_qkv=True),
 }
 
 
@@ -167,6 +170,10 @@ DECODER_ONLY = {
     "window_encoder_only_leaves_decoder_full": TINY.replace(
         attention_window=2, attention_window_layers="encoder"
     ),
+    "head_dim_12_rotary_gqa_fused": TINY.replace(
+        head_dim=12, position="rotary", num_kv_heads=2, fused_qkv=True
+    ),
+    "head_dim_12_pre": TINY.replace(head_dim=12, norm_position="pre"),
 }
 
 
@@ -281,8 +288,8 @@ def test_softmax_stays_float32_under_bfloat16_attention_module():
     (weights,) = sown["intermediates"]["attention_weights"]
     np.testing.assert_allclose(np.asarray(weights)[0, 0, 0], CLOSE_WEIGHTS, rtol=0, atol=1e-6)
     expected = ref.multi_head_attention(
-        TINY, ref.to_float64(params), x_q.astype(np.float64), x_kv.astype(np.float64),
-        np.ones((1, 1, 3), bool),
+        TINY.replace(d_model=4, num_heads=1), ref.to_float64(params),
+        x_q.astype(np.float64), x_kv.astype(np.float64), np.ones((1, 1, 3), bool),
     )  # fmt: skip
     np.testing.assert_allclose(expected[0, 0, 2:], CLOSE_WEIGHTS[:2], rtol=1e-12)
     np.testing.assert_allclose(
