@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{args.source} has {len(sources)} lines but {args.reference} has "
                 f"{len(references)}: they must be aligned"
             )
-        translator = Translator.from_workdir(args.workdir, step=args.step, average=args.average)
+        translator = Translator.from_pretrained(args.workdir, step=args.step, average=args.average)
         hypotheses = translator.translate(sources, progress=True, **decoding_kwargs(args))
     except (FileNotFoundError, ValueError) as e:  # a message, not a traceback
         print(f"error: {e}", file=sys.stderr)

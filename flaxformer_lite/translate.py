@@ -132,7 +132,11 @@ def plain_warnings() -> None:
 
 def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     """--workdir, --step, --average and the decoding options of the translate and evaluate CLIs."""
-    parser.add_argument("--workdir", required=True, help="train.py workdir to load")
+    parser.add_argument(
+        "--workdir",
+        required=True,
+        help="train.py workdir to load, or a Hugging Face Marian folder or hub id",
+    )
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument(
         "--average",
@@ -197,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain_warnings()
 
     try:
-        translator = Translator.from_workdir(args.workdir, step=args.step, average=args.average)
+        translator = Translator.from_pretrained(args.workdir, step=args.step, average=args.average)
         sentences = read_lines(args.input)
         outputs = translator.translate(
             sentences, progress=args.input not in (None, "-"), **decoding_kwargs(args)

@@ -266,6 +266,16 @@ def test_translator_and_export_of_the_fine_tuned_run(generated_run, tmp_path):
     tokens = np.asarray(tokens)
     expected = [direct.target_vocab.decode(list(t)) for t in tokens]
     assert out == [" ".join(e.split()) for e in expected] and all(out)
+    # The translate CLI takes the Hugging Face folder as its --workdir too.
+    from flaxformer_lite import translate as translate_cli
+
+    (tmp_path / "in.txt").write_text("\n".join(sentences) + "\n")
+    args = ["--workdir", str(pretrained), "--input", str(tmp_path / "in.txt")]
+    assert (
+        translate_cli.main([*args, "--output", str(tmp_path / "out.txt"), "--method", "greedy"])
+        == 0
+    )
+    assert (tmp_path / "out.txt").read_text().splitlines() == out
 
     # Back to Hugging Face: MarianMTModel reads the export and computes our logits.
     export = tmp_path / "export"
