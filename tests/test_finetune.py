@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers", reason="MarianMTModel (test e
 spm = pytest.importorskip("sentencepiece")
 
 import optax  # noqa: E402
+from test_hf_marian import marian_config  # noqa: E402  (tests/ is on sys.path)
 
 import train  # noqa: E402
 from flaxformer_lite import hf, init_from, optim, tasks  # noqa: E402
@@ -86,23 +87,14 @@ def pretrained_folder(folder: Path, texts: list[str]) -> Path:
             vocab[p] = len(vocab)
     vocab["<pad>"] = len(vocab)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    pad = len(vocab) - 1
-    config = transformers.MarianConfig(
+    config = marian_config(
         vocab_size=len(vocab),
-        d_model=32,
         encoder_layers=1,
         decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
         max_position_embeddings=64,
         activation_function="swish",
         scale_embedding=True,
-        pad_token_id=pad,
-        decoder_start_token_id=pad,
-        eos_token_id=0,
-        dropout=0.0,
+        forced_eos_token_id=0,
     )
     torch.manual_seed(0)
     transformers.MarianMTModel(config).save_pretrained(folder)

@@ -24,6 +24,8 @@ transformers = pytest.importorskip(
 )
 spm = pytest.importorskip("sentencepiece")
 
+from test_hf_marian import marian_config  # noqa: E402  (tests/ is on sys.path)
+
 from flaxformer_lite import hf  # noqa: E402
 from flaxformer_lite.generate import generate  # noqa: E402
 
@@ -65,22 +67,12 @@ def folders(tmp_path_factory):
         (tok_dir / f"{side}.spm").write_bytes((root / f"{side}.model").read_bytes())
     (tok_dir / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(vocab)}))
     pad = len(vocab) - 1
-    config = transformers.MarianConfig(
+    config = marian_config(
         vocab_size=len(vocab),
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
         max_position_embeddings=64,
         activation_function="swish",
         scale_embedding=True,
-        pad_token_id=pad,
-        decoder_start_token_id=pad,
-        eos_token_id=0,
-        dropout=0.0,
+        forced_eos_token_id=0,
     )
     torch.manual_seed(0)
     model = transformers.MarianMTModel(config).eval()

@@ -43,6 +43,9 @@ VARIANTS = {
 
 
 def marian_config(**overrides):
+    """A tiny MarianConfig (2+2 layers, d_model 32, 4 heads) with Marian's ids: pad = decoder
+    start = the last id of the decoder's vocabulary, EOS 0; ``overrides`` change any field
+    (the other test modules that need a tiny Marian model build theirs here)."""
     kw = dict(
         vocab_size=VOCAB,
         d_model=32,
@@ -53,16 +56,15 @@ def marian_config(**overrides):
         encoder_ffn_dim=64,
         decoder_ffn_dim=64,
         max_position_embeddings=32,
-        pad_token_id=PAD,
-        decoder_start_token_id=PAD,
         eos_token_id=0,
         forced_eos_token_id=None,
         dropout=0.0,
         attention_dropout=0.0,
     )
     kw.update(overrides)
-    if "decoder_vocab_size" in kw:  # the decoder's ids must stay inside its own vocabulary
-        kw["pad_token_id"] = kw["decoder_start_token_id"] = kw["decoder_vocab_size"] - 1
+    pad = (kw.get("decoder_vocab_size") or kw["vocab_size"]) - 1  # inside the decoder's ids
+    kw.setdefault("pad_token_id", pad)
+    kw.setdefault("decoder_start_token_id", pad)
     return transformers.MarianConfig(**kw)
 
 
