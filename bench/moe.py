@@ -104,7 +104,7 @@ def main() -> None:
         dropped = "-" if last["moe_dropped"] is None else f"{last['moe_dropped']:.1%}"
         rows.append(
             f"| {name} | {last['parameters']:,} | {speed:,.0f} | {last['train_loss']:.3f} | "
-            f"{last['eval_loss']:.3f} | {last['exact_match']} | {aux} | {dropped} |"
+            f"{last['eval_loss']:.3f} | {last['exact_match']:.1%} | {aux} | {dropped} |"
         )
     table = "\n".join(rows)
     print(table)
