@@ -40,6 +40,7 @@ from flaxformer_lite.generate import _decoder_call, init_cache
 from flaxformer_lite.models import EncoderDecoder
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SRC_LEN = 24
 OPUS_MT = dict(
     vocab_size=58101,
     d_model=512,
@@ -71,6 +72,41 @@ def timed(fn, *args, repeats: int) -> float:
     return statistics.median(times) * 1000.0
 
 
+def opus_model(cache: int):
+    """(model, params): a random opus-mt-shaped EncoderDecoder whose cache holds ``cache``."""
+    config = TransformerConfig(max_len=max(cache, 64), **OPUS_MT)
+    model = EncoderDecoder(config)
+    x = jnp.ones((1, SRC_LEN), jnp.int32)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), x, x)["params"])
+    return model, params
+
+
+def step_inputs(model, params, rows: int, cache_len: int):
+    """(jitted decoder step ``(params, cache, tokens, src) -> (logits, cache)``, its arguments):
+    ``rows`` random sources of SRC_LEN tokens, the cache primed with their encoder keys/values
+    and half filled (the step writes position ``cache_len // 2``)."""
+    src = jnp.asarray(np.random.default_rng(0).integers(2, 58100, (rows, SRC_LEN)), jnp.int32)
+    encoded = jax.jit(lambda p, s: model.apply({"params": p}, s, method=model.encode))(params, src)
+    cache = init_cache(model, params, rows, cache_len, SRC_LEN)
+    prime = jax.jit(
+        lambda p, c, e, s: _decoder_call(model, p, e, s)(jnp.zeros((rows, 0), jnp.int32), c)[1]
+    )
+    cache = prime(params, cache, encoded, src)
+    # Half the cache filled: the position the step writes.
+    cache = jax.tree_util.tree_map(
+        lambda v: v if v.ndim else jnp.asarray(cache_len // 2, v.dtype), cache
+    )
+    tokens = jnp.full((rows, 1), 5, jnp.int32)
+    step = jax.jit(lambda p, c, t, s: _decoder_call(model, p, None, s)(t, c))
+    return step, (params, cache, tokens, src)
+
+
+def greedy_step(rows: int = 32, cache: int = 128):
+    """(jitted decoder step, its arguments) of greedy decoding at opus-mt size (``step_inputs``)."""
+    model, params = opus_model(cache)
+    return step_inputs(model, params, rows, cache)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache", type=int, default=32, help="decoder positions in the cache")
@@ -79,30 +115,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    config = TransformerConfig(max_len=max(args.cache, 64), **OPUS_MT)
-    model = EncoderDecoder(config)
-    src_len = 24
-    x = jnp.ones((1, src_len), jnp.int32)
-    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), x, x)["params"])
+    model, params = opus_model(args.cache)
 
     def measure(name: str, beams: int) -> dict:
         rows = args.batch * beams
-        src = jnp.asarray(np.random.default_rng(0).integers(2, 58100, (rows, src_len)), jnp.int32)
-        encoded = jax.jit(lambda p, s: model.apply({"params": p}, s, method=model.encode))(
-            params, src
-        )
-        cache = init_cache(model, params, rows, args.cache, src_len)
-        prime = jax.jit(
-            lambda p, c, e, s: _decoder_call(model, p, e, s)(jnp.zeros((rows, 0), jnp.int32), c)[1]
-        )
-        cache = prime(params, cache, encoded, src)
-        # Half the cache filled: the position the step writes.
-        cache = jax.tree_util.tree_map(
-            lambda v: v if v.ndim else jnp.asarray(args.cache // 2, v.dtype), cache
-        )
-        tokens = jnp.full((rows, 1), 5, jnp.int32)
-
-        step = jax.jit(lambda p, c, t, s: _decoder_call(model, p, None, s)(t, c))
+        step, (_, cache, tokens, src) = step_inputs(model, params, rows, args.cache)
 
         h = jnp.ones((rows, 1, 512), jnp.float32)
         table = params["source_embedding"]["embedding"]

@@ -354,3 +354,21 @@ def test_parameter_paths_unchanged():
             expected |= {f"{prefix}mlp/{dense}/kernel", f"{prefix}mlp/{dense}/bias"}
         expected |= {f"{prefix}mlp_norm/scale", f"{prefix}mlp_norm/bias"}
     assert paths == expected
+
+
+def test_tied_logits_gradient_equals_autodiff_of_the_einsum():
+    """layers.tied_logits takes the table's gradient as (x^T g)^T; it equals autodiff's."""
+    from flaxformer_lite.layers import tied_logits
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k1, (3, 5, 8))
+    table = jax.random.normal(k2, (11, 8))
+    w = jax.random.normal(k3, (3, 5, 11))
+    ours = jax.grad(lambda x, t: (tied_logits(x, t) * w).sum() ** 2, argnums=(0, 1))(x, table)
+    plain = jax.grad(lambda x, t: (jnp.einsum("bld,vd->blv", x, t) * w).sum() ** 2, argnums=(0, 1))(
+        x, table
+    )
+    np.testing.assert_array_equal(tied_logits(x, table), jnp.einsum("bld,vd->blv", x, table))
+    for a, b in zip(ours, plain, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -262,6 +262,57 @@ def test_label_smoothed_loss_against_hand_computed_value():
         losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing=1.0)
 
 
+def test_label_smoothed_loss_gradient_against_float64_finite_differences():
+    """The hand-written gradient (softmax - smoothed target, times the weight) is the
+    derivative of the loss: central differences of a float64 one-hot formula agree."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (2, 3, 7))
+    labels = rng.integers(0, 7, (2, 3))
+    weights = np.array([[1.0, 1.0, 0.0], [1.0, 0.5, 1.0]])
+
+    def reference(z, ls):
+        q = np.where(np.arange(7) == labels[..., None], 1 - ls, ls / 6)
+        logp = z - z.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        return ((-(q * logp).sum(-1) + (q * np.log(np.maximum(q, 1e-300))).sum(-1)) * weights).sum()
+
+    for ls in (0.0, 0.1, 0.3):
+        fn = lambda z, ls=ls: losses.smoothed_cross_entropy(z, labels, weights, ls)[0]  # noqa: E731
+        grad = np.asarray(jax.grad(fn)(jnp.asarray(logits, jnp.float32)))
+        numeric = np.zeros_like(logits)
+        for i in np.ndindex(logits.shape):
+            step = np.zeros_like(logits)
+            step[i] = 1e-6
+            numeric[i] = (reference(logits + step, ls) - reference(logits - step, ls)) / 2e-6
+        np.testing.assert_allclose(grad, numeric, atol=2e-6)
+        assert float(fn(jnp.asarray(logits, jnp.float32))) == pytest.approx(
+            reference(logits, ls), rel=1e-5
+        )
+    # The gradient keeps the logits' dtype; the weights get d loss / d weight.
+    grad16 = jax.grad(fn)(jnp.asarray(logits, jnp.bfloat16))
+    assert grad16.dtype == jnp.bfloat16
+    d_weights = jax.grad(lambda w: losses.smoothed_cross_entropy(logits, labels, w, 0.1)[0])(
+        jnp.asarray(weights, jnp.float32)
+    )
+    per_position = jax.vmap(jax.vmap(lambda z, y: losses.smoothed_cross_entropy(
+        z, y, jnp.float32(1.0), 0.1)[0]))(jnp.asarray(logits, jnp.float32), labels)  # fmt: skip
+    np.testing.assert_allclose(d_weights, per_position, rtol=1e-6)
+
+
+def test_correct_predictions_is_first_index_argmax_with_ties_and_nan():
+    rng = np.random.default_rng(0)
+    logits = rng.integers(0, 3, (40, 6)).astype(np.float32)  # many ties
+    logits[3, 2] = np.nan
+    logits[4] = np.nan
+    logits[5, 5] = np.inf
+    logits[6] = -np.inf
+    weights = rng.integers(0, 2, 40).astype(np.float32)
+    for label in range(6):
+        labels = np.full(40, label, np.int32)
+        expected = ((np.asarray(jnp.argmax(jnp.asarray(logits), -1)) == label) * weights).sum()
+        assert float(losses.correct_predictions(jnp.asarray(logits), labels, weights)) == expected
+
+
 def test_gradient_accumulation_equals_one_big_batch():
     """k micro-batches give the update of one batch: same summed loss, same gradient step."""
     import flax.linen
