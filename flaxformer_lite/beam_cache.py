@@ -58,7 +58,7 @@ def group_queries(x: Array, beam: int) -> Array:
 
 
 def ungroup_queries(x: Array, beam: int) -> Array:
-    """Inverse of :func:`group_queries`: `[batch, beam * len, ...]` -> `[batch * beam, len, ...]`."""
+    """Inverse of :func:`group_queries`: `[batch, beam * len, ...]` -> `[rows, len, ...]`."""
     batch, joint = x.shape[:2]
     return x.reshape((batch * beam, joint // beam) + x.shape[2:])
 
