@@ -13,7 +13,11 @@ positions, each jitted piece is timed alone (median of ``--repeats`` calls, afte
   log_softmax    over `[rows, 58101]`
   top_k          beam search's selection: top 2k of `[batch, k * vocab]` (what decoding.py does)
   top_k_2stage   the same selection as per-beam top 2k, then top 2k of `[batch, k * 2k]`
-  gather_cache   reordering every cache leaf by parent beam (what beam search does each step)
+  gather_cache   what beam search reorders by parent beam after each step: every cache leaf
+                 (beam4, ``generate(beam_cache="reorder")``), or only the `[rows, cache]` int32
+                 ancestry of the cache that stays in place (beam4_in_place, the default:
+                 ``models.reorder_beam_cache``; its step attends over the 4 beams of a source
+                 under the ancestry mask and reads one cross-attention entry per source)
 
 The pieces do not add up to a search step exactly (the search also compares, writes tokens
 and keeps finished hypotheses), but they show which parts matter.
@@ -34,10 +38,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from translate_speed import cpu_flags  # bench/, the script's folder
 
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import _decoder_call, init_cache
-from flaxformer_lite.models import EncoderDecoder
+from flaxformer_lite.models import EncoderDecoder, reorder_beam_cache
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OPUS_MT = dict(
@@ -85,24 +90,38 @@ def main() -> None:
     x = jnp.ones((1, src_len), jnp.int32)
     params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), x, x)["params"])
 
-    def measure(name: str, beams: int) -> dict:
+    def measure(name: str, beams: int, in_place: bool = False) -> dict:
         rows = args.batch * beams
-        src = jnp.asarray(np.random.default_rng(0).integers(2, 58100, (rows, src_len)), jnp.int32)
+        # In place: one source row (encoder output, cross-attention cache) per sentence.
+        src_rows = args.batch if in_place else rows
+        kw = dict(beam_size=beams) if in_place else {}
+        src = np.random.default_rng(0).integers(2, 58100, (args.batch, src_len))
+        src = jnp.asarray(np.repeat(src, rows // src_rows, axis=0), jnp.int32)
         encoded = jax.jit(lambda p, s: model.apply({"params": p}, s, method=model.encode))(
             params, src
         )
-        cache = init_cache(model, params, rows, args.cache, src_len)
+        cache = init_cache(model, params, src_rows, args.cache, src_len, **kw)
         prime = jax.jit(
-            lambda p, c, e, s: _decoder_call(model, p, e, s)(jnp.zeros((rows, 0), jnp.int32), c)[1]
+            lambda p, c, e, s: _decoder_call(model, p, e, s, **kw)(
+                jnp.zeros((rows, 0), jnp.int32), c
+            )[1]
         )
         cache = prime(params, cache, encoded, src)
-        # Half the cache filled: the position the step writes.
-        cache = jax.tree_util.tree_map(
-            lambda v: v if v.ndim else jnp.asarray(args.cache // 2, v.dtype), cache
+        # Half the cache filled: the position the step writes; random ancestry.
+        ancestry = np.random.default_rng(2).integers(0, beams, (rows, args.cache))
+        cache = jax.tree_util.tree_map_with_path(
+            lambda path, v: (
+                jnp.asarray(args.cache // 2, v.dtype)
+                if not v.ndim
+                else jnp.asarray(ancestry, v.dtype)
+                if "beam_ancestors" in jax.tree_util.keystr(path)
+                else v
+            ),
+            cache,
         )
         tokens = jnp.full((rows, 1), 5, jnp.int32)
 
-        step = jax.jit(lambda p, c, t, s: _decoder_call(model, p, None, s)(t, c))
+        step = jax.jit(lambda p, c, t, s: _decoder_call(model, p, None, s, **kw)(t, c))
 
         h = jnp.ones((rows, 1, 512), jnp.float32)
         table = params["source_embedding"]["embedding"]
@@ -122,14 +141,22 @@ def main() -> None:
             return best, beam * z.shape[-1] + token
 
         two = jax.jit(two_stage)
-        parent = jnp.asarray(np.random.default_rng(1).integers(0, rows, rows), jnp.int32)
+        # Parents within each sentence's beams, as beam search picks them.
+        parent = (np.arange(rows) // beams) * beams + np.random.default_rng(1).integers(
+            0, beams, rows
+        )
+        parent = jnp.asarray(parent, jnp.int32)
         gather = jax.jit(
-            lambda c, idx: jax.tree_util.tree_map(
+            reorder_beam_cache
+            if in_place
+            else lambda c, idx: jax.tree_util.tree_map(
                 lambda v: jnp.take(v, idx, axis=0) if v.ndim else v, c
             )
         )
+        leaves = jax.tree_util.tree_leaves(cache)
         entry = {
             "search": name,
+            "cache_mib": sum(v.size * v.dtype.itemsize for v in leaves) / 2**20,
             "rows": rows,
             "cache_positions": args.cache,
             "step_ms": timed(step, params, cache, tokens, src, repeats=args.repeats),
@@ -146,21 +173,32 @@ def main() -> None:
         return entry
 
     rows_out = []
-    for name, beams in (("greedy", 1), ("beam4", 4)):
-        rows_out.append(measure(name, beams))
+    for name, beams, in_place in (
+        ("greedy", 1, False),
+        ("beam4", 4, False),
+        ("beam4_in_place", 4, True),
+    ):
+        rows_out.append(measure(name, beams, in_place))
         print(json.dumps(rows_out[-1]), flush=True)
 
     keys = ["step", "layers", "logits", "log_softmax", "top_k", "top_k_2stage", "gather_cache"]
-    lines = ["| search | rows | cache | " + " | ".join(f"{k} ms" for k in keys) + " |"]
-    lines.append("|" + "---|" * (len(keys) + 3))
+    lines = ["| search | rows | cache | cache MiB | " + " | ".join(f"{k} ms" for k in keys) + " |"]
+    lines.append("|" + "---|" * (len(keys) + 4))
     for e in rows_out:
         cells = " | ".join(f"{e[f'{k}_ms']:.1f}" if f"{k}_ms" in e else "-" for k in keys)
-        lines.append(f"| {e['search']} | {e['rows']} | {e['cache_positions']} | {cells} |")
+        lines.append(
+            f"| {e['search']} | {e['rows']} | {e['cache_positions']} | {e['cache_mib']:.0f} | "
+            f"{cells} |"
+        )
     table = "\n".join(lines)
     print(table)
+    machine = cpu_flags()
+    print(machine)
     out = args.out or RESULTS / f"decode_breakdown_{args.cache}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"results": rows_out, "table": table}, indent=2) + "\n")
+    out.write_text(
+        json.dumps({"machine": machine, "results": rows_out, "table": table}, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":
