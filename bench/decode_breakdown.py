@@ -3,7 +3,8 @@
 The model is a random ``EncoderDecoder`` of Marian's opus-mt shape (d_model 512, 6+6 layers,
 8 heads, d_ff 2048, vocabulary 58,101, float32), the source 24 tokens. For greedy (32 rows)
 and beam 4 (32 sentences = 128 rows), with the key/value cache sized for ``--cache`` decoder
-positions, each jitted piece is timed alone (median of ``--repeats`` calls, after a warm-up):
+positions, each jitted piece is timed alone, in ``--repeats`` interleaved rounds (every piece
+of every search once per round, after a warm-up; the median is reported):
 
   step           the whole model call of one step: embedding, 6 decoder layers against the
                  cache (self-attention over every cached position, cross-attention over the
@@ -65,22 +66,11 @@ OPUS_MT = dict(
 )
 
 
-def timed(fn, *args, repeats: int) -> float:
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000.0
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache", type=int, default=32, help="decoder positions in the cache")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="interleaved rounds")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -96,7 +86,7 @@ def main() -> None:
         src_rows = args.batch if in_place else rows
         kw = dict(beam_size=beams) if in_place else {}
         src = np.random.default_rng(0).integers(2, 58100, (args.batch, src_len))
-        src = jnp.asarray(np.repeat(src, rows // src_rows, axis=0), jnp.int32)
+        src = jnp.asarray(np.repeat(src, src_rows // args.batch, axis=0), jnp.int32)
         encoded = jax.jit(lambda p, s: model.apply({"params": p}, s, method=model.encode))(
             params, src
         )
@@ -159,27 +149,48 @@ def main() -> None:
             "cache_mib": sum(v.size * v.dtype.itemsize for v in leaves) / 2**20,
             "rows": rows,
             "cache_positions": args.cache,
-            "step_ms": timed(step, params, cache, tokens, src, repeats=args.repeats),
-            "logits_ms": timed(logits_fn, h, table, repeats=args.repeats),
-            "log_softmax_ms": timed(log_softmax, logits, repeats=args.repeats),
         }
-        entry["layers_ms"] = entry["step_ms"] - entry["logits_ms"]
+        pieces = {
+            "step": (step, (params, cache, tokens, src)),
+            "logits": (logits_fn, (h, table)),
+            "log_softmax": (log_softmax, (logits,)),
+        }
         if beams > 1:
-            entry["top_k_ms"] = timed(top, flat, repeats=args.repeats)
-            entry["top_k_2stage_ms"] = timed(two, logits, repeats=args.repeats)
-            entry["gather_cache_ms"] = timed(gather, cache, parent, repeats=args.repeats)
+            pieces["top_k"] = (top, (flat,))
+            pieces["top_k_2stage"] = (two, (logits,))
+            pieces["gather_cache"] = (gather, (cache, parent))
             a, b = top(flat), two(logits)
             assert np.array_equal(np.asarray(a[1]), np.asarray(b[1])), "selections differ"
-        return entry
+        for fn, fn_args in pieces.values():  # compile and warm up
+            jax.block_until_ready(fn(*fn_args))
+        return entry, pieces
 
+    searches = [
+        measure(name, beams, in_place)
+        for name, beams, in_place in (
+            ("greedy", 1, False),
+            ("beam4", 4, False),
+            ("beam4_in_place", 4, True),
+        )
+    ]
+    # Interleaved rounds: every piece of every search once per round (other jobs on the
+    # machine then slow all of them alike); the median of the rounds.
+    times = [{piece: [] for piece in pieces} for _, pieces in searches]
+    for _ in range(args.repeats):
+        for (_, pieces), spent in zip(searches, times, strict=True):
+            for piece, (fn, fn_args) in pieces.items():
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*fn_args))
+                spent[piece].append(time.perf_counter() - start)
     rows_out = []
-    for name, beams, in_place in (
-        ("greedy", 1, False),
-        ("beam4", 4, False),
-        ("beam4_in_place", 4, True),
-    ):
-        rows_out.append(measure(name, beams, in_place))
-        print(json.dumps(rows_out[-1]), flush=True)
+    for (entry, _), spent in zip(searches, times, strict=True):
+        entry.update({f"{k}_ms": statistics.median(v) * 1000.0 for k, v in spent.items()})
+        entry["layers_ms"] = entry["step_ms"] - entry["logits_ms"]
+        rows_out.append(entry)
+        print(json.dumps(entry), flush=True)
+    old, new = rows_out[1], rows_out[2]
+    ratio = (old["step_ms"] + old["gather_cache_ms"]) / (new["step_ms"] + new["gather_cache_ms"])
+    summary = f"beam4 step + gather: reorder / in place = {ratio:.2f}x"
 
     keys = ["step", "layers", "logits", "log_softmax", "top_k", "top_k_2stage", "gather_cache"]
     lines = ["| search | rows | cache | cache MiB | " + " | ".join(f"{k} ms" for k in keys) + " |"]
@@ -190,7 +201,7 @@ def main() -> None:
             f"| {e['search']} | {e['rows']} | {e['cache_positions']} | {e['cache_mib']:.0f} | "
             f"{cells} |"
         )
-    table = "\n".join(lines)
+    table = "\n".join(lines + ["", summary])
     print(table)
     machine = cpu_flags()
     print(machine)

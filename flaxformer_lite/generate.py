@@ -477,7 +477,7 @@ def generate_jit(
         nn.logical_axis_rules(sharding.LOGICAL_RULES),
     ):
         encoded = model.apply({"params": params}, inputs, method=model.encode)
-        in_place = method == "beam" and beam_cache == "in_place"
+        in_place = method == "beam" and beam_cache == "in_place" and beam_size > 1
         if method == "beam" and not in_place:  # one copy of the source per beam, reordered
             encoded, inputs = decoding.expand_to_beams((encoded, inputs), beam_size)
         beams = beam_size if in_place else 1  # in place: the source's rows stay one each
@@ -559,7 +559,7 @@ def continue_prompt_jit(
         )
         step = _sharded_step(_decoder_call(model, params), mesh)
         _, cache = step(context[:, :-1], cache)  # prefill the prompt
-        in_place = method == "beam" and beam_cache == "in_place"
+        in_place = method == "beam" and beam_cache == "in_place" and beam_size > 1
         if in_place:
             # The prompt was written once per row; its beams start as copies of it. A
             # zero-length call adds the beams' ancestry (zeros: every slot from beam 0).
