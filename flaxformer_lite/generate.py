@@ -3,7 +3,10 @@
 ``generate`` binds a model to the pure searches of ``decoding``: the encoder runs once per
 batch, the decoder runs one position per step against its key/value cache. A ``scan_layers``
 model decodes as its unrolled equivalent (``models.unrolled``): the cache is one array per
-layer with the batch on axis 0, which beam search expands and gathers.
+layer with the batch on axis 0. Beam search keeps that cache in place: each hypothesis writes
+its own row and follows its history through the small ``beam_ancestors`` array, the only
+thing reordered by parent beam, and cross-attention keeps one entry per source
+(``beam_cache``; ``beam_cache="reorder"`` gathers every row instead, the classic search).
 
 Both run on a ``jax.sharding.Mesh`` (default: every device, ``sharding.make_mesh()``): the
 batch is split over its ``data`` and ``fsdp`` axes, the parameters are placed by the logical

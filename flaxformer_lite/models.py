@@ -213,7 +213,7 @@ def unrolled(params: Any, config: TransformerConfig) -> tuple[Any, TransformerCo
     The identity unless ``config.scan_layers``; then ``unstack_layers(params)`` and the config
     with ``scan_layers=False``. Cached decoding (``generate``, ``continue_prompt``,
     ``init_cache``, the Translator) goes through here: its per-layer caches keep the batch on
-    axis 0, which beam search expands and gathers.
+    axis 0 (beam search's hypotheses too, see ``EncoderDecoder.decode``).
     """
     if not config.scan_layers:
         return params, config
