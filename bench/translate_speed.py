@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help="e.g. beam4")
     parser.add_argument("--batches", default=None, help="e.g. 1,32 (default: all)")
     parser.add_argument("--new", default=None, help="new tokens, e.g. 32 (default: all)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="e.g. flaxformer_lite,hf")
     args = parser.parse_args()
     settings = dict(QUICK if args.quick else FULL)
     if args.batches:
@@ -247,7 +248,11 @@ def main() -> None:
                         "ct2-float32": lambda: run_ct2("ct2-float32"),
                         "ct2-int8": lambda: run_ct2("ct2-int8"),
                     }
-                    systems = tuple(s for s in SYSTEMS if beams > 1 or s != "ours-reorder")
+                    systems = tuple(
+                        s
+                        for s in SYSTEMS
+                        if s in args.systems.split(",") and (beams > 1 or s != "ours-reorder")
+                    )
                     times = {name: [] for name in systems}
                     outputs = {name: runners[name]() for name in systems}  # warm-up
                     for r in range(args.rounds):
@@ -277,14 +282,17 @@ def main() -> None:
             f"{r[f'{s}_tok_s']:,.0f}" if f"{s}_tok_s" in r else "-" for s in SYSTEMS
         )
         ours = r["flaxformer_lite_tok_s"]
-        reorder = r.get("ours-reorder_tok_s")
-        agree = f"{r['hf_agreement']:.3f}, {r['ct2-float32_agreement']:.3f}"
-        if reorder is not None:
-            agree += f", {r['ours-reorder_agreement']:.3f}"
+
+        def ratio(system, r=r, ours=ours):
+            return f"{ours / r[f'{system}_tok_s']:.2f}" if f"{system}_tok_s" in r else "-"
+
+        agree = ", ".join(
+            f"{r[f'{s}_agreement']:.3f}" if f"{s}_agreement" in r else "-"
+            for s in ("hf", "ct2-float32", "ours-reorder")
+        )
         lines.append(
             f"| {r['method']} | {r['batch']} | {r['new_tokens']} | {speeds} | "
-            f"{ours / r['ct2-float32_tok_s']:.2f} | {ours / r['hf_tok_s']:.2f} | "
-            f"{'-' if reorder is None else f'{ours / reorder:.2f}'} | {agree} |"
+            f"{ratio('ct2-float32')} | {ratio('hf')} | {ratio('ours-reorder')} | {agree} |"
         )
     table = "\n".join(lines)
     print(table)
