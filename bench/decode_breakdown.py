@@ -3,7 +3,8 @@
 The model is a random ``EncoderDecoder`` of Marian's opus-mt shape (d_model 512, 6+6 layers,
 8 heads, d_ff 2048, vocabulary 58,101, float32), the source 24 tokens. For greedy (32 rows)
 and beam 4 (32 sentences = 128 rows), with the key/value cache sized for ``--cache`` decoder
-positions, each jitted piece is timed alone (median of ``--repeats`` calls, after a warm-up):
+positions, each jitted piece is timed alone, in ``--repeats`` interleaved rounds (every piece
+of every search once per round, after a warm-up; the median is reported):
 
   step           the whole model call of one step: embedding, 6 decoder layers against the
                  cache (self-attention over every cached position, cross-attention over the
@@ -13,7 +14,11 @@ positions, each jitted piece is timed alone (median of ``--repeats`` calls, afte
   log_softmax    over `[rows, 58101]`
   top_k          beam search's selection: top 2k of `[batch, k * vocab]` (what decoding.py does)
   top_k_2stage   the same selection as per-beam top 2k, then top 2k of `[batch, k * 2k]`
-  gather_cache   reordering every cache leaf by parent beam (what beam search does each step)
+  gather_cache   what beam search reorders by parent beam after each step: every cache leaf
+                 (beam4, ``generate(beam_cache="reorder")``), or only the `[rows, cache]` int32
+                 ancestry of the cache that stays in place (beam4_in_place, the default:
+                 ``models.reorder_beam_cache``); its step attends over the 4 beams of a source
+                 under the ancestry mask and reads one cross-attention entry per source)
 
 The pieces do not add up to a search step exactly (the search also compares, writes tokens
 and keeps finished hypotheses), but they show which parts matter.
@@ -34,10 +39,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from translate_speed import cpu_flags  # bench/, the script's folder
 
+from flaxformer_lite import beam_cache
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import _decoder_call, init_cache
-from flaxformer_lite.models import EncoderDecoder
+from flaxformer_lite.models import BEAM_ANCESTORS, EncoderDecoder
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SRC_LEN = 24
@@ -61,17 +68,6 @@ OPUS_MT = dict(
 )
 
 
-def timed(fn, *args, repeats: int) -> float:
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000.0
-
-
 def opus_model(cache: int):
     """(model, params): a random opus-mt-shaped EncoderDecoder whose cache holds ``cache``."""
     config = TransformerConfig(max_len=max(cache, 64), **OPUS_MT)
@@ -81,23 +77,39 @@ def opus_model(cache: int):
     return model, params
 
 
-def step_inputs(model, params, rows: int, cache_len: int):
-    """(jitted decoder step ``(params, cache, tokens, src) -> (logits, cache)``, its arguments):
-    ``rows`` random sources of SRC_LEN tokens, the cache primed with their encoder keys/values
-    and half filled (the step writes position ``cache_len // 2``)."""
-    src = jnp.asarray(np.random.default_rng(0).integers(2, 58100, (rows, SRC_LEN)), jnp.int32)
+def step_inputs(model, params, batch: int, cache_len: int, beams: int = 1, in_place: bool = False):
+    """(jitted decoder step ``(params, cache, tokens, src) -> (logits, cache)``, its arguments)
+    for ``batch`` random sources of SRC_LEN tokens x ``beams`` rows each: the cache primed with
+    their encoder keys/values and half filled (the step writes position ``cache_len // 2``).
+    ``in_place``: beam search's in-place cache (one source row per sentence, random ancestry)."""
+    rows = batch * beams
+    # In place: one source row (encoder output, cross-attention cache) per sentence.
+    src_rows = batch if in_place else rows
+    kw = dict(beam_size=beams) if in_place else {}
+    src = np.random.default_rng(0).integers(2, 58100, (batch, SRC_LEN))
+    src = jnp.asarray(np.repeat(src, src_rows // batch, axis=0), jnp.int32)
     encoded = jax.jit(lambda p, s: model.apply({"params": p}, s, method=model.encode))(params, src)
-    cache = init_cache(model, params, rows, cache_len, SRC_LEN)
+    cache = init_cache(model, params, src_rows, cache_len, SRC_LEN, **kw)
     prime = jax.jit(
-        lambda p, c, e, s: _decoder_call(model, p, e, s)(jnp.zeros((rows, 0), jnp.int32), c)[1]
+        lambda p, c, e, s: _decoder_call(model, p, e, s, **kw)(jnp.zeros((rows, 0), jnp.int32), c)[
+            1
+        ]
     )
     cache = prime(params, cache, encoded, src)
-    # Half the cache filled: the position the step writes.
-    cache = jax.tree_util.tree_map(
-        lambda v: v if v.ndim else jnp.asarray(cache_len // 2, v.dtype), cache
+    # Half the cache filled: the position the step writes; random ancestry.
+    ancestry = np.random.default_rng(2).integers(0, beams, (rows, cache_len))
+    cache = jax.tree_util.tree_map_with_path(
+        lambda path, v: (
+            jnp.asarray(cache_len // 2, v.dtype)
+            if not v.ndim
+            else jnp.asarray(ancestry, v.dtype)
+            if "beam_ancestors" in jax.tree_util.keystr(path)
+            else v
+        ),
+        cache,
     )
     tokens = jnp.full((rows, 1), 5, jnp.int32)
-    step = jax.jit(lambda p, c, t, s: _decoder_call(model, p, None, s)(t, c))
+    step = jax.jit(lambda p, c, t, s: _decoder_call(model, p, None, s, **kw)(t, c))
     return step, (params, cache, tokens, src)
 
 
@@ -111,15 +123,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache", type=int, default=32, help="decoder positions in the cache")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="interleaved rounds")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     model, params = opus_model(args.cache)
 
-    def measure(name: str, beams: int) -> dict:
+    def measure(name: str, beams: int, in_place: bool = False) -> dict:
         rows = args.batch * beams
-        step, (_, cache, tokens, src) = step_inputs(model, params, rows, args.cache)
+        step, (_, cache, tokens, src) = step_inputs(
+            model, params, args.batch, args.cache, beams, in_place
+        )
 
         h = jnp.ones((rows, 1, 512), jnp.float32)
         table = params["source_embedding"]["embedding"]
@@ -139,45 +153,88 @@ def main() -> None:
             return best, beam * z.shape[-1] + token
 
         two = jax.jit(two_stage)
-        parent = jnp.asarray(np.random.default_rng(1).integers(0, rows, rows), jnp.int32)
+        # Parents within each sentence's beams, as beam search picks them.
+        parent = (np.arange(rows) // beams) * beams + np.random.default_rng(1).integers(
+            0, beams, rows
+        )
+        parent = jnp.asarray(parent, jnp.int32)
+        # In place only the ancestry changes (reorder_beam_cache passes the other leaves on;
+        # returning them from a jitted call of their own would time copies the loop never
+        # makes).
         gather = jax.jit(
-            lambda c, idx: jax.tree_util.tree_map(
+            (lambda c, idx: beam_cache.reorder(c["decoder"][BEAM_ANCESTORS], idx))
+            if in_place
+            else lambda c, idx: jax.tree_util.tree_map(
                 lambda v: jnp.take(v, idx, axis=0) if v.ndim else v, c
             )
         )
+        leaves = jax.tree_util.tree_leaves(cache)
         entry = {
             "search": name,
+            "cache_mib": sum(v.size * v.dtype.itemsize for v in leaves) / 2**20,
             "rows": rows,
             "cache_positions": args.cache,
-            "step_ms": timed(step, params, cache, tokens, src, repeats=args.repeats),
-            "logits_ms": timed(logits_fn, h, table, repeats=args.repeats),
-            "log_softmax_ms": timed(log_softmax, logits, repeats=args.repeats),
         }
-        entry["layers_ms"] = entry["step_ms"] - entry["logits_ms"]
+        pieces = {
+            "step": (step, (params, cache, tokens, src)),
+            "logits": (logits_fn, (h, table)),
+            "log_softmax": (log_softmax, (logits,)),
+        }
         if beams > 1:
-            entry["top_k_ms"] = timed(top, flat, repeats=args.repeats)
-            entry["top_k_2stage_ms"] = timed(two, logits, repeats=args.repeats)
-            entry["gather_cache_ms"] = timed(gather, cache, parent, repeats=args.repeats)
+            pieces["top_k"] = (top, (flat,))
+            pieces["top_k_2stage"] = (two, (logits,))
+            pieces["gather_cache"] = (gather, (cache, parent))
             a, b = top(flat), two(logits)
             assert np.array_equal(np.asarray(a[1]), np.asarray(b[1])), "selections differ"
-        return entry
+        for fn, fn_args in pieces.values():  # compile and warm up
+            jax.block_until_ready(fn(*fn_args))
+        return entry, pieces
 
+    searches = [
+        measure(name, beams, in_place)
+        for name, beams, in_place in (
+            ("greedy", 1, False),
+            ("beam4", 4, False),
+            ("beam4_in_place", 4, True),
+        )
+    ]
+    # Interleaved rounds: every piece of every search once per round (other jobs on the
+    # machine then slow all of them alike); the median of the rounds.
+    times = [{piece: [] for piece in pieces} for _, pieces in searches]
+    for _ in range(args.repeats):
+        for (_, pieces), spent in zip(searches, times, strict=True):
+            for piece, (fn, fn_args) in pieces.items():
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*fn_args))
+                spent[piece].append(time.perf_counter() - start)
     rows_out = []
-    for name, beams in (("greedy", 1), ("beam4", 4)):
-        rows_out.append(measure(name, beams))
-        print(json.dumps(rows_out[-1]), flush=True)
+    for (entry, _), spent in zip(searches, times, strict=True):
+        entry.update({f"{k}_ms": statistics.median(v) * 1000.0 for k, v in spent.items()})
+        entry["layers_ms"] = entry["step_ms"] - entry["logits_ms"]
+        rows_out.append(entry)
+        print(json.dumps(entry), flush=True)
+    old, new = rows_out[1], rows_out[2]
+    ratio = (old["step_ms"] + old["gather_cache_ms"]) / (new["step_ms"] + new["gather_cache_ms"])
+    summary = f"beam4 step + gather: reorder / in place = {ratio:.2f}x"
 
     keys = ["step", "layers", "logits", "log_softmax", "top_k", "top_k_2stage", "gather_cache"]
-    lines = ["| search | rows | cache | " + " | ".join(f"{k} ms" for k in keys) + " |"]
-    lines.append("|" + "---|" * (len(keys) + 3))
+    lines = ["| search | rows | cache | cache MiB | " + " | ".join(f"{k} ms" for k in keys) + " |"]
+    lines.append("|" + "---|" * (len(keys) + 4))
     for e in rows_out:
         cells = " | ".join(f"{e[f'{k}_ms']:.1f}" if f"{k}_ms" in e else "-" for k in keys)
-        lines.append(f"| {e['search']} | {e['rows']} | {e['cache_positions']} | {cells} |")
-    table = "\n".join(lines)
+        lines.append(
+            f"| {e['search']} | {e['rows']} | {e['cache_positions']} | {e['cache_mib']:.0f} | "
+            f"{cells} |"
+        )
+    table = "\n".join(lines + ["", summary])
     print(table)
+    machine = cpu_flags()
+    print(machine)
     out = args.out or RESULTS / f"decode_breakdown_{args.cache}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"results": rows_out, "table": table}, indent=2) + "\n")
+    out.write_text(
+        json.dumps({"machine": machine, "results": rows_out, "table": table}, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":

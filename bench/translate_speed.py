@@ -8,7 +8,10 @@ each batch size and number of new tokens, in one process and in interleaved roun
 rotates every round, so machine load hits every system alike), greedy and beam 4 with:
 
 * ``flaxformer_lite``: ``generate_jit`` (one jitted call: encoder, key/value cache, search),
-  compiled ahead of time, compilation not timed;
+  compiled ahead of time, compilation not timed; beam search with the cache in place (the
+  default, ``beam_cache="in_place"``);
+* ``ours-reorder`` (beam search only): the same with ``beam_cache="reorder"``, the search that
+  gathers every cache row by parent beam after each step (what main did before issue 15);
 * ``hf``: ``MarianMTModel.generate`` (PyTorch eager, its key/value cache, ``torch.no_grad``,
   ``os.cpu_count()`` threads), ``num_beams`` 1 or 4, ``length_penalty`` 1;
 * ``ct2-float32`` and ``ct2-int8``: ``ctranslate2.Translator.translate_batch`` on the converted
@@ -27,6 +30,7 @@ a markdown table. Needs the bench extra (transformers, torch, ctranslate2).
 
     .venv/bin/python bench/translate_speed.py --quick    # small model, about a minute
     .venv/bin/python bench/translate_speed.py            # opus-mt size: batch 1/8/32, 32/128 new
+    .venv/bin/python bench/translate_speed.py --methods beam4 --batches 1,32 --new 32
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ QUICK = dict(
     batches=(1, 8),
     new_tokens=(16,),
 )
-SYSTEMS = ("flaxformer_lite", "hf", "ct2-float32", "ct2-int8")
+SYSTEMS = ("flaxformer_lite", "ours-reorder", "hf", "ct2-float32", "ct2-int8")
 METHODS = {"greedy": 1, "beam4": 4}
 
 
@@ -152,8 +156,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model, about a minute")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell")
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    parser.add_argument("--methods", default=",".join(METHODS), help="e.g. beam4")
+    parser.add_argument("--batches", default=None, help="e.g. 1,32 (default: all)")
+    parser.add_argument("--new", default=None, help="new tokens, e.g. 32 (default: all)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="e.g. flaxformer_lite,hf")
     args = parser.parse_args()
-    settings = QUICK if args.quick else FULL
+    settings = dict(QUICK if args.quick else FULL)
+    if args.batches:
+        settings["batches"] = tuple(int(b) for b in args.batches.split(","))
+    if args.new:
+        settings["new_tokens"] = tuple(int(n) for n in args.new.split(","))
+    methods = {m: METHODS[m] for m in args.methods.split(",")}
 
     import ctranslate2
     import torch
@@ -180,20 +193,26 @@ def main() -> None:
                 src[:, -1] = config.eos_id
                 src = src.astype(np.int32)
                 src_tokens = [[vocab[i] for i in row] for row in src]
-                for method, beams in METHODS.items():
+                for method, beams in methods.items():
                     ours_method = "greedy" if beams == 1 else "beam"
+
+                    def compile_ours(beam_cache, src=src, beams=beams, new=new, m=ours_method):
+                        return generate_jit.lower(
+                            params,
+                            config,
+                            src,
+                            mesh=mesh,
+                            method=m,
+                            max_len=new,
+                            beam_size=beams,
+                            alpha=0.0,
+                            beam_cache=beam_cache,
+                        ).compile()
+
                     start = time.perf_counter()
-                    compiled = generate_jit.lower(
-                        params,
-                        config,
-                        src,
-                        mesh=mesh,
-                        method=ours_method,
-                        max_len=new,
-                        beam_size=beams,
-                        alpha=0.0,
-                    ).compile()
+                    compiled = compile_ours("in_place")
                     compile_s = time.perf_counter() - start
+                    reordering = compile_ours("reorder") if beams > 1 else None
 
                     def run_ours(compiled=compiled, src=src):
                         tokens, _ = compiled(params, src)
@@ -224,14 +243,20 @@ def main() -> None:
 
                     runners = {
                         "flaxformer_lite": run_ours,
+                        "ours-reorder": lambda r=reordering: run_ours(r),
                         "hf": run_hf,
                         "ct2-float32": lambda: run_ct2("ct2-float32"),
                         "ct2-int8": lambda: run_ct2("ct2-int8"),
                     }
-                    times = {name: [] for name in SYSTEMS}
-                    outputs = {name: runners[name]() for name in SYSTEMS}  # warm-up
+                    systems = tuple(
+                        s
+                        for s in SYSTEMS
+                        if s in args.systems.split(",") and (beams > 1 or s != "ours-reorder")
+                    )
+                    times = {name: [] for name in systems}
+                    outputs = {name: runners[name]() for name in systems}  # warm-up
                     for r in range(args.rounds):
-                        order = SYSTEMS[r % len(SYSTEMS) :] + SYSTEMS[: r % len(SYSTEMS)]
+                        order = systems[r % len(systems) :] + systems[: r % len(systems)]
                         for name in order:
                             start = time.perf_counter()
                             outputs[name] = runners[name]()
@@ -240,7 +265,7 @@ def main() -> None:
                         assert out.shape == (batch, new), (name, out.shape)
                         assert not (out == config.eos_id).any(), name
                     row = dict(method=method, batch=batch, new_tokens=new, compile_s=compile_s)
-                    for name in SYSTEMS:
+                    for name in systems:
                         seconds = statistics.median(times[name])
                         row[f"{name}_tok_s"] = batch * new / seconds
                         row[f"{name}_agreement"] = float(
@@ -250,15 +275,24 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
 
     header = "| method | batch | new | " + " | ".join(f"{s} tok/s" for s in SYSTEMS)
-    header += " | ours / ct2-f32 | ours / hf | agreement hf, ct2-f32 |"
-    lines = [header, "|" + "---|" * (len(SYSTEMS) + 6)]
+    header += " | ours / ct2-f32 | ours / hf | ours / reorder | agreement hf, ct2-f32, reorder |"
+    lines = [header, "|" + "---|" * (len(SYSTEMS) + 7)]
     for r in results:
-        speeds = " | ".join(f"{r[f'{s}_tok_s']:,.0f}" for s in SYSTEMS)
+        speeds = " | ".join(
+            f"{r[f'{s}_tok_s']:,.0f}" if f"{s}_tok_s" in r else "-" for s in SYSTEMS
+        )
         ours = r["flaxformer_lite_tok_s"]
+
+        def ratio(system, r=r, ours=ours):
+            return f"{ours / r[f'{system}_tok_s']:.2f}" if f"{system}_tok_s" in r else "-"
+
+        agree = ", ".join(
+            f"{r[f'{s}_agreement']:.3f}" if f"{s}_agreement" in r else "-"
+            for s in ("hf", "ct2-float32", "ours-reorder")
+        )
         lines.append(
             f"| {r['method']} | {r['batch']} | {r['new_tokens']} | {speeds} | "
-            f"{ours / r['ct2-float32_tok_s']:.2f} | {ours / r['hf_tok_s']:.2f} | "
-            f"{r['hf_agreement']:.3f}, {r['ct2-float32_agreement']:.3f} |"
+            f"{ratio('ct2-float32')} | {ratio('hf')} | {ratio('ours-reorder')} | {agree} |"
         )
     table = "\n".join(lines)
     print(table)

@@ -559,6 +559,11 @@ def _tile_cache(cache: PyTree, batch_size: int, beam_size: int) -> PyTree:
     return _map_batched(tile, cache)
 
 
+def _gather_rows(cache: PyTree, parents: jax.Array) -> PyTree:
+    """The default reordering: every batched cache leaf gathered by ``parents`` (flat rows)."""
+    return _map_batched(lambda x: jnp.take(x, parents, axis=0), cache)
+
+
 def _gather_beams(x: jax.Array, parent: jax.Array) -> jax.Array:
     """``x[b, parent[b, j]]`` for ``x`` ``[batch, beam_in, ...]``, ``parent`` ``[batch, n]``."""
     idx = parent.reshape(parent.shape + (1,) * (x.ndim - 2))
@@ -633,16 +638,22 @@ def beam_search(
     early_stopping: bool | str = False,
     forced_eos: bool = False,
     banned_ids: tuple[int, ...] = (),
+    reorder_cache: Callable[[PyTree, jax.Array], PyTree] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with live and finished hypotheses kept apart, under GNMT's rules (the
     default) or those of Hugging Face's ``generate(num_beams=beam_size)``.
 
     The callback is called with ``batch_size * beam_size`` rows (row ``b * beam_size + j`` is
-    beam ``j`` of batch element ``b``). Cache leaves with ``ndim > 0`` are tiled to that layout
-    once (leaves already of size ``batch_size * beam_size``, e.g. made with
-    :func:`expand_to_beams`, are kept as they are) and, after every step, gathered along the
-    leading axis by the parent beam each surviving hypothesis came from. 0-d leaves are never
-    tiled or gathered.
+    beam ``j`` of batch element ``b``). Without ``reorder_cache``, cache leaves with
+    ``ndim > 0`` are tiled to that layout once (leaves already of size
+    ``batch_size * beam_size``, e.g. made with :func:`expand_to_beams`, are kept as they are)
+    and, after every step, gathered along the leading axis by the parent beam each surviving
+    hypothesis came from; 0-d leaves are never tiled or gathered. With
+    ``reorder_cache(cache, parents) -> cache`` the cache is the caller's: passed as it is (no
+    tiling) and, after every step, handed to ``reorder_cache`` with ``parents`` int32
+    ``[batch_size * beam_size]``, the flat row each surviving hypothesis came from (a row of
+    the same batch element), e.g. ``models.reorder_beam_cache``, which moves only the small
+    ancestry array of a cache that is never reordered (``beam_cache``).
 
     Each step scores all ``beam * vocab`` one-token extensions of the live beams and keeps the
     best ``2 * beam`` of them, enough for ``beam`` live ones to survive even if ``beam`` of the
@@ -688,6 +699,8 @@ def beam_search(
       forced_eos: static; at its limit a hypothesis can only end with EOS, which then adds 0
         to its log-prob (Hugging Face's ``forced_eos_token_id``).
       banned_ids: static ids that no hypothesis contains (single-token ``bad_words_ids``).
+      reorder_cache: optional ``(cache, parents) -> cache``, see above (None: tile and gather
+        every leaf).
 
     Returns:
       ``(sequences, scores)``: int32 ``[batch_size, beam_size, max_len]`` and float32
@@ -710,6 +723,11 @@ def beam_search(
     k = beam_size
     hf = beam_style == "hf"
     neg_inf = jnp.array(-jnp.inf, jnp.float32)
+    if reorder_cache is None:
+        cache = _tile_cache(cache, batch_size, k)
+        reorder = _gather_rows
+    else:
+        reorder = reorder_cache
 
     def penalty(length):
         return length_penalty(length, alpha, beam_style)
@@ -769,7 +787,7 @@ def beam_search(
         live_tok = jnp.take_along_axis(top_tok, live_pos, axis=1)
         parent = jnp.take_along_axis(top_parent, live_pos, axis=1)  # [batch, k] in [0, k)
         flat_parent = (jnp.arange(batch_size)[:, None] * k + parent).reshape(-1)
-        new_cache = _map_batched(lambda x: jnp.take(x, flat_parent, axis=0), new_cache)
+        new_cache = reorder(new_cache, flat_parent)
 
         # Finished pool: merge the kept finished hypotheses with the newly ended ones.
         new_fin = ended & valid
@@ -819,7 +837,7 @@ def beam_search(
         "fin_flags": jnp.zeros((batch_size, k), bool),
         # "hf": elements whose pool may still change (the "gnmt" bound is checked in cond).
         "open": jnp.ones((batch_size,), bool),
-        "cache": _tile_cache(cache, batch_size, k),
+        "cache": cache,
     }
     state = lax.while_loop(cond, body, state)
 

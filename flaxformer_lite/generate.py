@@ -3,7 +3,10 @@
 ``generate`` binds a model to the pure searches of ``decoding``: the encoder runs once per
 batch, the decoder runs one position per step against its key/value cache. A ``scan_layers``
 model decodes as its unrolled equivalent (``models.unrolled``): the cache is one array per
-layer with the batch on axis 0, which beam search expands and gathers.
+layer with the batch on axis 0. Beam search keeps that cache in place: each hypothesis writes
+its own row and follows its history through the small ``beam_ancestors`` array, the only
+thing reordered by parent beam, and cross-attention keeps one entry per source
+(``beam_cache``; ``beam_cache="reorder"`` gathers every row instead, the classic search).
 
 Both run on a ``jax.sharding.Mesh`` (default: every device, ``sharding.make_mesh()``): the
 batch is split over its ``data`` and ``fsdp`` axes, the parameters are placed by the logical
@@ -24,11 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxformer_lite import decoding, sharding
+from flaxformer_lite import decoding, models, sharding
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.models import DecoderOnly, EncoderDecoder, unrolled
 
 METHODS = ("greedy", "beam", "sample")
+# How beam search treats the key/value cache: "in_place" never moves it (each hypothesis
+# follows its history through ``beam_ancestors``, one cross-attention entry per source; see
+# ``beam_cache``), "reorder" gathers every cache row by parent beam after each step (the
+# classic way; every entry, cross-attention's too, per hypothesis).
+BEAM_CACHES = ("in_place", "reorder")
 # Shapes and Python-level choices: each distinct value compiles once.
 STATIC_ARGNAMES = (
     "config",
@@ -37,6 +45,7 @@ STATIC_ARGNAMES = (
     "beam_size",
     "alpha",
     "beam_style",
+    "beam_cache",
     "early_stopping",
     "forced_eos",
     "banned_ids",
@@ -49,18 +58,28 @@ STATIC_ARGNAMES = (
 
 
 def init_cache(
-    model: Any, params: Any, batch_size: int, max_len: int, src_len: int | None = None
+    model: Any,
+    params: Any,
+    batch_size: int,
+    max_len: int,
+    src_len: int | None = None,
+    *,
+    beam_size: int = 1,
 ) -> Any:
     """A zero key/value cache for ``batch_size`` rows and ``max_len`` decoder positions.
 
     Only shapes are traced (``jax.eval_shape`` of a decoding call with ``params``): nothing
     is computed and no parameter is initialised. For a ``scan_layers`` model the cache is that
     of its unrolled equivalent (``models.unrolled``), the model that decodes with it.
+
+    ``beam_size > 1``: the cache of beam search in place for ``batch_size`` sources: the
+    self-attention entries and ``beam_ancestors`` have ``batch_size * beam_size`` rows, the
+    cross-attention entries ``batch_size`` (``models.EncoderDecoder.decode``).
     """
     params, config = unrolled(params, model.config)
     if config is not model.config:
         model = type(model)(config)
-    tokens = jnp.zeros((batch_size, max_len), jnp.int32)
+    tokens = jnp.zeros((batch_size * beam_size, max_len), jnp.int32)
     if isinstance(model, EncoderDecoder):
         encoded = jnp.zeros((batch_size, src_len or 1, model.config.d_model), model.config.dtype)
         src = jnp.ones((batch_size, src_len or 1), jnp.int32)
@@ -72,6 +91,7 @@ def init_cache(
                 src,
                 tokens,
                 decode=True,
+                beam_size=beam_size,
                 mutable=["cache"],
                 method=model.decode,
             )
@@ -79,17 +99,24 @@ def init_cache(
 
         def run(p):
             return model.apply(
-                {"params": p}, tokens, decode=True, mutable=["cache"], method=model.decode
+                {"params": p},
+                tokens,
+                decode=True,
+                beam_size=beam_size,
+                mutable=["cache"],
+                method=model.decode,
             )
 
     shapes = jax.eval_shape(run, params)[1]["cache"]
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _decoder_call(model: Any, params: Any, *context: Any):
+def _decoder_call(model: Any, params: Any, *context: Any, beam_size: int = 1):
     """``tokens, cache -> (logits of the last position, new cache)`` through ``model.decode``
     with ``decode=True``; ``context`` goes before the tokens (encoder output and source for an
-    EncoderDecoder, nothing for a DecoderOnly). Zero-length tokens only update the cache."""
+    EncoderDecoder, nothing for a DecoderOnly). Zero-length tokens only update the cache.
+    ``beam_size > 1``: tokens are beam search's ``rows * beam_size`` hypotheses over a cache
+    that stays in place (``init_cache(beam_size=)``), ``context`` one row per source."""
 
     def call(tokens: jax.Array, cache: Any) -> tuple[jax.Array | None, Any]:
         logits, updated = model.apply(
@@ -100,6 +127,7 @@ def _decoder_call(model: Any, params: Any, *context: Any):
             # init_cache sizes the cache for every position the search writes: no run-time
             # overflow check (a lax.cond per layer and step) in the decoding loop.
             check_cache=False,
+            beam_size=beam_size,
             mutable=["cache"],
             method=model.decode,
         )
@@ -128,6 +156,7 @@ def _search(
     initial_tokens,
     row_max_len,
     config,
+    reorder_cache=None,
 ):
     # The model's own ids: decoding starts from the decoder-start token it was trained behind,
     # stops at its EOS and pads with its PAD (all default to special_ids).
@@ -173,6 +202,7 @@ def _search(
         beam_style=beam_style,
         early_stopping=early_stopping,
         initial_tokens=initial_tokens,
+        reorder_cache=reorder_cache,
         **ids,
     )
     return sequences[:, 0], scores[:, 0]
@@ -290,9 +320,11 @@ def _unpad(outputs: Any, rows: int | None, mesh: Mesh) -> Any:
     )
 
 
-def _check_method(method: str) -> None:
+def _check_method(method: str, beam_cache: str = "in_place") -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    if beam_cache not in BEAM_CACHES:
+        raise ValueError(f"beam_cache must be one of {BEAM_CACHES}; got {beam_cache!r}")
 
 
 def check_search_options(
@@ -413,6 +445,7 @@ def generate_jit(
     top_p: float = 1.0,
     rng: jax.Array | None = None,
     row_max_len: jax.Array | None = None,
+    beam_cache: str = "in_place",
 ) -> tuple[jax.Array, jax.Array]:
     """The one jitted call of :func:`generate`: ``inputs`` `[padded_rows, src_len]` (a multiple
     of the data axes) and optional ``row_max_len`` `[padded_rows]`, the first ``rows`` of the
@@ -420,7 +453,7 @@ def generate_jit(
     compilation), it places nothing itself: arguments on other shardings are moved inside the
     call; ``banned_ids`` must then be a tuple (a static argument; :func:`generate` makes it
     one)."""
-    _check_method(method)
+    _check_method(method, beam_cache)
     max_len = check_decode_len(config, max_len)
     params = _constrain_params(params, EncoderDecoder, config, mesh)
     inputs = jax.lax.with_sharding_constraint(inputs, sharding.batch_sharding(mesh))
@@ -447,17 +480,20 @@ def generate_jit(
         nn.logical_axis_rules(sharding.LOGICAL_RULES),
     ):
         encoded = model.apply({"params": params}, inputs, method=model.encode)
-        if method == "beam":  # beams of one source share its encoding: expand before priming
+        in_place = method == "beam" and beam_cache == "in_place" and beam_size > 1
+        if method == "beam" and not in_place:  # one copy of the source per beam, reordered
             encoded, inputs = decoding.expand_to_beams((encoded, inputs), beam_size)
-        beam_rows = inputs.shape[0]
+        beams = beam_size if in_place else 1  # in place: the source's rows stay one each
+        beam_rows = inputs.shape[0] * beams
         cache = _constrain_cache(
-            init_cache(model, params, beam_rows, max_len, inputs.shape[1]), mesh
+            init_cache(model, params, inputs.shape[0], max_len, inputs.shape[1], beam_size=beams),
+            mesh,
         )
         # A zero-length decoder call projects the encoder keys/values of every layer into the
         # cache once; the steps below pass encoded=None and project only their new position.
-        prime = _sharded_step(_decoder_call(model, params, encoded, inputs), mesh)
+        prime = _sharded_step(_decoder_call(model, params, encoded, inputs, beam_size=beams), mesh)
         _, cache = prime(jnp.zeros((beam_rows, 0), jnp.int32), cache)
-        step = _sharded_step(_decoder_call(model, params, None, inputs), mesh)
+        step = _sharded_step(_decoder_call(model, params, None, inputs, beam_size=beams), mesh)
         tokens, scores = _search(
             method,
             step,
@@ -467,6 +503,7 @@ def generate_jit(
             initial_tokens=None,
             row_max_len=row_max_len,
             config=config,
+            reorder_cache=models.reorder_beam_cache if in_place else None,
             **options,
         )
     return _unpad((tokens, scores), rows, mesh)
@@ -492,9 +529,10 @@ def continue_prompt_jit(
     top_k: int = 0,
     top_p: float = 1.0,
     rng: jax.Array | None = None,
+    beam_cache: str = "in_place",
 ) -> tuple[jax.Array, jax.Array]:
     """The one jitted call of :func:`continue_prompt` (see :func:`generate_jit`)."""
-    _check_method(method)
+    _check_method(method, beam_cache)
     params = _constrain_params(params, DecoderOnly, config, mesh)
     prompt = jax.lax.with_sharding_constraint(prompt, sharding.batch_sharding(mesh))
     params, config = unrolled(params, config)
@@ -524,6 +562,13 @@ def continue_prompt_jit(
         )
         step = _sharded_step(_decoder_call(model, params), mesh)
         _, cache = step(context[:, :-1], cache)  # prefill the prompt
+        in_place = method == "beam" and beam_cache == "in_place" and beam_size > 1
+        if in_place:
+            # The prompt was written once per row; its beams start as copies of it. A
+            # zero-length call adds the beams' ancestry (zeros: every slot from beam 0).
+            cache = _constrain_cache(decoding.expand_to_beams(cache, beam_size), mesh)
+            step = _sharded_step(_decoder_call(model, params, beam_size=beam_size), mesh)
+            _, cache = step(jnp.zeros((batch_size * beam_size, 0), jnp.int32), cache)
         tokens, scores = _search(
             method,
             step,
@@ -533,6 +578,7 @@ def continue_prompt_jit(
             initial_tokens=context[:, -1],
             row_max_len=None,
             config=config,
+            reorder_cache=models.reorder_beam_cache if in_place else None,
             **options,
         )
     return _unpad((tokens, scores), rows, mesh)
@@ -560,6 +606,7 @@ def generate(
     top_p: float = 1.0,
     rng: jax.Array | None = None,
     row_max_len: Any = None,
+    beam_cache: str = "in_place",
 ) -> tuple[jax.Array, jax.Array]:
     """Translates a batch of source token ids with an ``EncoderDecoder``.
 
@@ -588,6 +635,11 @@ def generate(
         the limits of the other rows; ``max_len`` is then the output width. Host values, or
         a global array whose rows follow those of ``inputs`` (multi-process). A traced
         argument: other limits do not compile again.
+      beam_cache: one of :data:`BEAM_CACHES`: "in_place" (default) decodes beams over a cache
+        that never moves and one cross-attention entry per source (``beam_cache`` module,
+        sliding windows and relative positions included); "reorder" gathers every cache row
+        by parent beam after each step (the classic search; the same tokens and scores up to
+        float rounding).
 
     Returns:
       tokens int32 `[batch, max_len]` (EOS-terminated, PAD after EOS, no BOS) and scores
@@ -600,7 +652,7 @@ def generate(
         ``inputs`` not rank 2, a search option not valid (:func:`check_search_options`),
         all before anything is traced.
     """
-    _check_method(method)
+    _check_method(method, beam_cache)
     max_len = check_decode_len(config, max_len)
     banned_ids = check_search_options(config, beam_style, early_stopping, forced_eos, banned_ids)
     mesh = default_mesh() if mesh is None else mesh
@@ -627,6 +679,7 @@ def generate(
         top_p=top_p,
         rng=_replicated(rng, mesh),
         row_max_len=limits,
+        beam_cache=beam_cache,
     )
 
 
@@ -648,6 +701,7 @@ def continue_prompt(
     top_k: int = 0,
     top_p: float = 1.0,
     rng: jax.Array | None = None,
+    beam_cache: str = "in_place",
 ) -> tuple[jax.Array, jax.Array]:
     """Continues prompts with a ``DecoderOnly`` language model.
 
@@ -661,7 +715,7 @@ def continue_prompt(
       ValueError: BOS + prompt + ``max_len`` new tokens exceed ``config.max_len`` (the cache
         and positions), or the arguments of :func:`generate` are wrong (before tracing).
     """
-    _check_method(method)
+    _check_method(method, beam_cache)
     banned_ids = check_search_options(config, beam_style, early_stopping, forced_eos, banned_ids)
     if not hasattr(prompt, "shape"):  # nested lists
         prompt = np.asarray(prompt, np.int32)
@@ -687,4 +741,5 @@ def continue_prompt(
         top_k=top_k,
         top_p=top_p,
         rng=_replicated(rng, mesh),
+        beam_cache=beam_cache,
     )

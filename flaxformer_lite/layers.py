@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite import beam_cache
 from flaxformer_lite import positions as pos_lib
 from flaxformer_lite.activations import ACTIVATIONS, GATED
 from flaxformer_lite.attention import attention_weights, dot_product_attention
@@ -282,6 +283,8 @@ class MultiHeadAttention(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         check_cache: bool = True,
+        beam_size: int = 1,
+        beam_ancestors: Array | None = None,
     ) -> Array:
         """Returns `[batch, q_len, features]`.
 
@@ -294,6 +297,15 @@ class MultiHeadAttention(nn.Module):
         from an earlier call is read. check_cache: under ``jit``, check at run time that a
         decode step fits in the cache (``check_cache_room``); callers that size the cache for
         every step they take (``generate``) turn it off.
+
+        beam_size, beam_ancestors (``decode=True`` only; see ``beam_cache``): rows are
+        ``batch * beam_size`` hypotheses, beam-major per source. Cross-attention then reads one
+        cache entry per source (``cross_key`` `[batch, src_len, ...]`, ``inputs_kv``
+        `[batch, src_len, d]`): the queries of a source's beams are grouped onto it.
+        Self-attention with ``beam_ancestors`` int `[rows, slots]` (slots: the cache's, the
+        ring's plus ``q_len`` for a sliding window) attends, for each row, over the keys of
+        every beam of its source masked to the row's history, so the cache is never reordered;
+        without it, each row attends over its own cache row (the reordering search).
         """
         features = inputs_q.shape[-1]
         kv_heads = self.num_kv_heads or self.num_heads
@@ -321,6 +333,22 @@ class MultiHeadAttention(nn.Module):
                     "array mask `[batch, heads, q_len, max_len]` (or None), not an AttentionMask"
                 )
             key, value, mask = self._update_cache(key, value, mask, positions_q, check_cache)
+        beams = decode and beam_size > 1 and (self.cross_attention or beam_ancestors is not None)
+        if beams:
+            rows, q_len = query.shape[:2]
+            query = beam_cache.group_queries(query, beam_size)
+        if beams and not self.cross_attention:
+            slots = key.shape[1]
+            if beam_ancestors.shape != (rows, slots):
+                raise ValueError(
+                    f"beam_ancestors must be [rows, slots] = ({rows}, {slots}) for this cache; "
+                    f"got {beam_ancestors.shape}"
+                )
+            mask = beam_cache.history_mask(beam_ancestors, beam_size, q_len, mask)
+            if bias is not None:
+                bias = beam_cache.group_bias(bias, rows, beam_size, q_len, slots)
+            key = beam_cache.group_keys(key, beam_size)
+            value = beam_cache.group_keys(value, beam_size)
 
         dropout_rng = None
         if self.dropout_rate > 0.0 and not deterministic:
@@ -348,6 +376,8 @@ class MultiHeadAttention(nn.Module):
                     mask = mask.dense(query.shape[1], key.shape[1])
                 weights = attention_weights(query, key, mask, bias)
             self.sow("intermediates", "attention_weights", weights)
+        if beams:
+            out = beam_cache.ungroup_queries(out, beam_size)
         return OutputProjection(
             features,
             use_bias=self.use_bias,
@@ -738,6 +768,10 @@ class DecoderLayer(nn.Module):
     the encoder-decoder attention from cached encoder keys/values when ``encoded`` is None.
     ``check_cache``: see ``MultiHeadAttention``. Only arrays are call arguments. ``moe``: the
     feed-forward block is a mixture of experts (``moe.MoeBlock``; every position is routed).
+    ``beam_size`` (with ``decode=True``): rows are ``batch * beam_size`` beam-search
+    hypotheses; the cross-attention cache and ``encoded`` have ``batch`` rows, and
+    ``beam_ancestors`` (when given) makes self-attention follow each row's history through an
+    unmoved cache (``MultiHeadAttention``, ``beam_cache``).
     """
 
     config: TransformerConfig
@@ -746,6 +780,7 @@ class DecoderLayer(nn.Module):
     decode: bool = False
     check_cache: bool = True
     moe: bool = False
+    beam_size: int = 1
 
     @nn.compact
     def __call__(
@@ -756,9 +791,11 @@ class DecoderLayer(nn.Module):
         cross_mask: Any,
         positions: Array | None = None,
         bias: Array | None = None,
+        beam_ancestors: Array | None = None,
     ) -> Array:
         """bias: added to the self-attention logits, `[batch|1, heads, len, kv_len]` (the
-        stack's relative position bias; with ``decode=True`` kv_len is the cache length)."""
+        stack's relative position bias; with ``decode=True`` kv_len is the cache length).
+        beam_ancestors: int `[batch * beam_size, slots]`, see ``beam_cache``."""
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
@@ -774,6 +811,8 @@ class DecoderLayer(nn.Module):
                 deterministic=self.deterministic,
                 decode=self.decode,
                 check_cache=self.check_cache,
+                beam_size=self.beam_size,
+                beam_ancestors=beam_ancestors,
             )
 
         x = residual(x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw)
@@ -782,7 +821,12 @@ class DecoderLayer(nn.Module):
 
             def cross_attention(h: Array) -> Array:
                 return cross_attn(
-                    h, encoded, cross_mask, deterministic=self.deterministic, decode=self.decode
+                    h,
+                    encoded,
+                    cross_mask,
+                    deterministic=self.deterministic,
+                    decode=self.decode,
+                    beam_size=self.beam_size if self.decode else 1,
                 )
 
             x = residual(x, cross_attention, make_norm(cfg, "cross_attention_norm"), dropout, **kw)

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from flaxformer_lite import beam_cache
 from flaxformer_lite import positions as pos_lib
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.layers import (
@@ -212,7 +213,7 @@ def unrolled(params: Any, config: TransformerConfig) -> tuple[Any, TransformerCo
     The identity unless ``config.scan_layers``; then ``unstack_layers(params)`` and the config
     with ``scan_layers=False``. Cached decoding (``generate``, ``continue_prompt``,
     ``init_cache``, the Translator) goes through here: its per-layer caches keep the batch on
-    axis 0, which beam search expands and gathers.
+    axis 0 (beam search's hypotheses too, see ``EncoderDecoder.decode``).
     """
     if not config.scan_layers:
         return params, config
@@ -311,6 +312,42 @@ class Decoder(nn.Module):
             raise ValueError(f"the decoder's key/value caches differ in length: {lengths}")
         return lengths.pop() if lengths else new_positions
 
+    def _beam_ancestors(
+        self, decoder_inputs: Array, start: Array, beam_size: int, initialized: bool
+    ) -> Array | None:
+        """Updates the cache's ``beam_ancestors`` int32 `[rows, slots]` for the new positions
+        (written by each row itself, so its own beam index) and returns what the layers'
+        self-attention follows: the ancestors of every slot it reads (``beam_cache``).
+
+        A cache without them (prefilled before the beams were tiled, see ``generate``) gets
+        zeros: every earlier slot read from beam 0, right while a source's beams are copies.
+        A sliding-window ring buffer (``window`` slots, see ``layers.MultiHeadAttention``)
+        attends to the ring as it was, then its new keys; their slot is written afterwards.
+        """
+        rows, q_len = decoder_inputs.shape
+        slots = self._cache_length(q_len)
+        window = self.config.self_attention_window("decoder")
+        if window is not None and slots >= window:  # the allocating call makes a ring
+            slots = window
+        ring = window is not None and slots == window
+        held = self.variable("cache", BEAM_ANCESTORS, jnp.zeros, (rows, slots), jnp.int32)
+        if not initialized:  # allocation only: the layers attend without the cache
+            return None
+        if not q_len:
+            return held.value
+        own = jnp.broadcast_to(beam_cache.own_beam(rows, beam_size)[:, None], (rows, q_len))
+        if ring:
+            if q_len != 1:
+                raise ValueError(
+                    f"beam search over a sliding-window ring buffer writes one position per "
+                    f"step; got {q_len} (prefill the prompt before the beams are tiled)"
+                )
+            attended = jnp.concatenate([held.value, own], axis=1)
+            held.value = jax.lax.dynamic_update_slice(held.value, own, (0, start % window))
+            return attended
+        held.value = jax.lax.dynamic_update_slice(held.value, own, (0, start))
+        return held.value
+
     @nn.compact
     def __call__(
         self,
@@ -324,8 +361,13 @@ class Decoder(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         check_cache: bool = True,
+        beam_size: int = 1,
     ) -> Array:
         cfg = self.config
+        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+            raise ValueError(f"beam_size must be a positive int; got {beam_size!r}")
+        if beam_size > 1 and not decode:
+            raise ValueError(f"beam_size={beam_size} applies to cached decoding (decode=True)")
         if decode and cfg.scan_layers:
             raise ValueError(
                 "decode=True needs a key/value cache per layer, but TransformerConfig."
@@ -339,6 +381,7 @@ class Decoder(nn.Module):
             # at those positions. Packing does not apply here.
             initialized = self.has_variable("cache", "position_index")
             index = self.variable("cache", "position_index", lambda: jnp.array(0, jnp.int32))
+            start = index.value
             positions = jnp.broadcast_to(
                 index.value + jnp.arange(decoder_inputs.shape[1]), decoder_inputs.shape
             )
@@ -389,6 +432,11 @@ class Decoder(nn.Module):
             else:
                 query_at = key_at = _default_positions(decoder_inputs)[:1]  # as in the encoder
             shared.append(_relative_bias(cfg, bidirectional=False)(query_at, key_at))
+        ancestors = None
+        if decode and beam_size > 1:  # the index is read before this call moved it
+            ancestors = self._beam_ancestors(decoder_inputs, start, beam_size, initialized)
+        if ancestors is not None:
+            shared += [None] * (5 - len(shared)) + [ancestors]  # after the (absent) bias
         x = layer_stack(
             lambda name, i: DecoderLayer(
                 cfg,
@@ -397,6 +445,7 @@ class Decoder(nn.Module):
                 decode=decode,
                 check_cache=check_cache,
                 moe=cfg.is_moe_layer(i),
+                beam_size=beam_size if decode else 1,
                 name=name,
             ),
             cfg, cfg.num_decoder_layers, x, *shared,
@@ -426,6 +475,27 @@ class Decoder(nn.Module):
             )
             logits = logits + jnp.asarray(bias, jnp.float32)
         return logits
+
+
+BEAM_ANCESTORS = "beam_ancestors"  # the Decoder's cache entry for beam search in place
+
+
+def reorder_beam_cache(cache: Any, parents: Array) -> Any:
+    """A decoding cache after a beam-search step, for ``decoding.beam_search(reorder_cache=)``:
+    only the ``beam_ancestors`` entries `[rows, slots]` are gathered by ``parents`` (int
+    `[rows]`, flat row indices); keys, values and the rest stay where they are."""
+    flat = traverse_util.flatten_dict(cache)
+    if not any(path[-1] == BEAM_ANCESTORS for path in flat):
+        raise ValueError(
+            "reorder_beam_cache needs a cache with beam_ancestors (made by a decode call with "
+            "beam_size > 1); reorder a plain cache by gathering every row instead"
+        )
+    return traverse_util.unflatten_dict(
+        {
+            path: beam_cache.reorder(leaf, parents) if path[-1] == BEAM_ANCESTORS else leaf
+            for path, leaf in flat.items()
+        }
+    )
 
 
 def _relative_bias(config: TransformerConfig, *, bidirectional: bool) -> nn.Module:
@@ -503,6 +573,7 @@ class EncoderDecoder(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         check_cache: bool = True,
+        beam_size: int = 1,
     ) -> Array:
         """Logits `[batch, tgt_len, vocab]` from *shifted* decoder inputs `[batch, tgt_len]`.
 
@@ -512,6 +583,12 @@ class EncoderDecoder(nn.Module):
         Writing past the end of the cache raises ValueError (under ``jit``: a
         ``JaxRuntimeError`` with the same message, unless ``check_cache=False``; see
         ``layers.check_cache_room``).
+
+        ``beam_size > 1`` (with ``decode=True``): ``decoder_inputs`` has ``batch * beam_size``
+        rows, beam search's hypotheses (row ``b * beam_size + i``), while ``encoded``, ``inputs``
+        and the cross-attention cache keep one row per source; the self-attention cache is
+        followed through the ``beam_ancestors`` cache entry instead of being reordered (see
+        ``beam_cache``, ``reorder_beam_cache``).
         """
         check_tokens("decoder_inputs", decoder_inputs, self.config)
         return self.decoder(
@@ -524,6 +601,7 @@ class EncoderDecoder(nn.Module):
             deterministic=deterministic,
             decode=decode,
             check_cache=check_cache,
+            beam_size=beam_size,
         )
 
     def __call__(
@@ -581,9 +659,10 @@ class DecoderOnly(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         check_cache: bool = True,
+        beam_size: int = 1,
     ) -> Array:
         """Logits from *shifted* inputs `[batch, length]`; ``decode=True`` uses the cache
-        (``check_cache`` as in ``EncoderDecoder.decode``)."""
+        (``check_cache`` and ``beam_size`` as in ``EncoderDecoder.decode``)."""
         check_tokens("decoder_inputs", decoder_inputs, self.config)
         return self.decoder(
             None,
@@ -594,6 +673,7 @@ class DecoderOnly(nn.Module):
             deterministic=deterministic,
             decode=decode,
             check_cache=check_cache,
+            beam_size=beam_size,
         )
 
     def __call__(

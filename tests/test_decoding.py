@@ -547,6 +547,33 @@ def test_beam_search_accepts_pre_tiled_cache():
         jit_beam(TABLES, POS_BIAS, ROWS, FIRST, bad, **kwargs)
 
 
+def test_beam_search_hands_the_parents_to_reorder_cache():
+    """With ``reorder_cache`` the cache is the caller's: not tiled, and reordered only by the
+    function, which receives the flat parent rows. Gathering every leaf there is the default
+    search; not reordering at all gives other hypotheses on this prefix model."""
+    beam = 3
+    cache = prefix_cache(ROWS)
+    tiled = dict(
+        cache, row=expand_to_beams(cache["row"], beam), code=expand_to_beams(cache["code"], beam)
+    )
+    seen = []
+
+    def gather_all(c, parents):
+        seen.append(parents.shape)
+        return jax.tree.map(lambda x: jnp.take(x, parents, axis=0) if x.ndim else x, c)
+
+    kwargs = dict(batch_size=ROWS.shape[0], beam_size=beam, max_len=MAX_LEN, alpha=0.6)
+    kwargs["initial_tokens"] = FIRST
+    step = prefix_callback(jnp.asarray(TABLES), jnp.asarray(POS_BIAS))
+    want = jax.jit(lambda c: beam_search(step, c, **kwargs))(cache)
+    got = jax.jit(lambda c: beam_search(step, c, reorder_cache=gather_all, **kwargs))(tiled)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1])
+    assert seen == [(ROWS.shape[0] * beam,)]  # traced once, flat rows
+    still = jax.jit(lambda c: beam_search(step, c, reorder_cache=lambda c, p: c, **kwargs))(tiled)
+    assert (np.asarray(still[0]) != np.asarray(want[0])).any()
+
+
 def test_beam_search_without_eos_returns_full_length_beams():
     # EOS impossible: only hopeless (finfo.min) hypotheses end before max_len; hypotheses
     # reaching max_len count as finished, so the best full-length beams come back.
