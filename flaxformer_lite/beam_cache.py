@@ -104,3 +104,51 @@ def group_bias(bias: Array, rows, beam: int, q_len: int, slots: int) -> Array:
     x = _grouped_4d(bias, rows, beam, q_len, slots)
     x = jnp.broadcast_to(x, x.shape[:2] + (beam, q_len, beam, slots))
     return x.reshape(x.shape[:2] + (beam * q_len, beam * slots))
+
+
+def _by_kv_heads(x: Array, kv_heads: int, beam: int, slots: int) -> Array:
+    """A grouped mask or bias `[batch|1, heads|1, beam * q_len, beam * slots]` as
+    `[batch|1, kv_heads|1, groups|1, beam * q_len, beam, slots]`."""
+    lead, heads, joint_q = x.shape[0], x.shape[1], x.shape[2]
+    if heads == 1:
+        return x.reshape(lead, 1, 1, joint_q, beam, slots)
+    return x.reshape(lead, kv_heads, heads // kv_heads, joint_q, beam, slots)
+
+
+def attend_beams(
+    query: Array, key: Array, value: Array, mask: Array, bias: Array | None, beam: int
+) -> Array:
+    """Grouped attention of a beam step without moving the cache: equals
+    ``dot_product_attention(query, group_keys(key, beam), group_keys(value, beam), mask, bias)``
+    (the reference path, no dropout), computed per key beam.
+
+    ``group_keys`` would put every source's ``beam * slots`` keys on one axis, which XLA
+    materialises as a copy of the whole cache per layer and step. Here each key beam ``j``
+    stays a batch dimension of both dots (queries are broadcast over it, they are few), the
+    softmax runs over the joint ``(j, slot)`` axis, and the per-beam outputs are summed.
+
+    query `[batch, beam * q_len, heads, head_dim]` (``group_queries``); key, value
+    `[batch * beam, slots, kv_heads, head_dim]`; mask bool `[batch, heads|1, beam * q_len,
+    beam * slots]` (``history_mask``); bias None or `[batch|1, heads, beam * q_len, beam *
+    slots]` (``group_bias``). Returns `[batch, beam * q_len, heads, head_dim]`.
+    """
+    batch, joint_q, heads, head_dim = query.shape
+    rows, slots, kv_heads, _ = key.shape
+    _check_rows(rows, beam, "keys")
+    groups = heads // kv_heads
+    scale = jnp.asarray(head_dim**-0.5, query.dtype)
+    q = (query * scale).reshape(batch, 1, joint_q, kv_heads, groups, head_dim)
+    q = jnp.broadcast_to(q, (batch, beam, joint_q, kv_heads, groups, head_dim))
+    k = key.reshape(batch, beam, slots, kv_heads, head_dim)
+    v = value.reshape(batch, beam, slots, kv_heads, head_dim)
+    logits = jnp.einsum("bjqhgd,bjkhd->bhgqjk", q, k, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + _by_kv_heads(bias, kv_heads, beam, slots).astype(jnp.float32)
+    allowed = _by_kv_heads(mask, kv_heads, beam, slots)
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+    shape = logits.shape
+    weights = jax.nn.softmax(logits.reshape(shape[:4] + (beam * slots,)), axis=-1)
+    # A query with nothing allowed gets zeros, as dot_product_attention gives it.
+    weights = jnp.where(allowed, weights.reshape(shape), 0.0).astype(value.dtype)
+    out = jnp.einsum("bhgqjk,bjkhd->bjqhgd", weights, v).sum(axis=1)
+    return out.reshape(batch, joint_q, heads, head_dim)

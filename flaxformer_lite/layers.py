@@ -190,23 +190,23 @@ class MultiHeadAttention(nn.Module):
     own new position (see ``_cross_cache``).
 
     Autoregressive decoding (``decode=True``, self-attention only) keeps the projected keys and
-    values in the "cache" collection: ``cached_key``/``cached_value`` `[batch, max_len, kv_heads,
-    head_dim]`. Calling ``init`` with ``decode=True`` on inputs of length ``max_len`` allocates
-    it. The layer keeps no counter: each decode call passes the absolute positions of its
-    ``q_len`` new tokens as ``positions_q`` (consecutive, the same in every row; the caller,
-    e.g. ``models.Decoder``, counts them), writes their keys/values at cache slots
-    ``positions_q[0]`` and attends causally to everything cached. One token per step or a whole
-    prompt at once: a step projects only its new positions and reads the fixed-size cache under
-    a mask (fixed shapes keep one compiled step), instead of re-running the whole prefix.
-    Writing past ``max_len`` raises (see ``check_cache_room``) instead of overwriting the last
-    slot.
+    values in the "cache" collection: ``cached_key``/``cached_value`` `[batch, kv_heads,
+    max_len, head_dim]` (heads first, the order attention's dots read; see ``heads_first``).
+    Calling ``init`` with ``decode=True`` on inputs of length ``max_len`` allocates it. The
+    layer keeps no counter: each decode call passes the absolute positions of its ``q_len`` new
+    tokens as ``positions_q`` (consecutive, the same in every row; the caller, e.g.
+    ``models.Decoder``, counts them), writes their keys/values at cache slots ``positions_q[0]``
+    and attends causally to everything cached. One token per step or a whole prompt at once: a
+    step projects only its new positions and reads the fixed-size cache under a mask (fixed
+    shapes keep one compiled step), instead of re-running the whole prefix. Writing past
+    ``max_len`` raises (see ``check_cache_room``) instead of overwriting the last slot.
 
     ``window`` (restricted self-attention, causal: position p sees p - window .. p) applies to
     decoding only (without a cache the window comes in the ``AttentionMask``). When the cache
     is allocated for at least ``window`` positions it becomes a ring buffer of ``window``
     slots (position p in slot p % window): a step attends to the ring (the ``window`` positions
     before it) followed by its own new keys, then writes them over the oldest slots. The cache
-    is then ``[batch, window, kv_heads, head_dim]`` whatever ``max_len``, and decoding may go
+    is then ``[batch, kv_heads, window, head_dim]`` whatever ``max_len``, and decoding may go
     on past ``max_len`` (as far as the positions allow).
 
     Attention weights `[batch, heads, q_len, kv_len]` (float32) are sown as
@@ -300,7 +300,7 @@ class MultiHeadAttention(nn.Module):
 
         beam_size, beam_ancestors (``decode=True`` only; see ``beam_cache``): rows are
         ``batch * beam_size`` hypotheses, beam-major per source. Cross-attention then reads one
-        cache entry per source (``cross_key`` `[batch, src_len, ...]`, ``inputs_kv``
+        cache entry per source (``cross_key`` `[batch, kv_heads, src_len, ...]`, ``inputs_kv``
         `[batch, src_len, d]`): the queries of a source's beams are grouped onto it.
         Self-attention with ``beam_ancestors`` int `[rows, slots]` (slots: the cache's, the
         ring's plus ``q_len`` for a sliding window) attends, for each row, over the keys of
@@ -347,8 +347,6 @@ class MultiHeadAttention(nn.Module):
             mask = beam_cache.history_mask(beam_ancestors, beam_size, q_len, mask)
             if bias is not None:
                 bias = beam_cache.group_bias(bias, rows, beam_size, q_len, slots)
-            key = beam_cache.group_keys(key, beam_size)
-            value = beam_cache.group_keys(value, beam_size)
 
         dropout_rng = None
         if self.dropout_rate > 0.0 and not deterministic:
@@ -356,6 +354,12 @@ class MultiHeadAttention(nn.Module):
         # Weights only when someone collects them: sow is a no-op unless "intermediates" is
         # mutable, and then the weights are not computed either.
         want_weights = self.is_mutable_collection("intermediates")
+        if beams and not self.cross_attention:
+            if self.implementation == "xla" and dropout_rng is None and not want_weights:
+                out = beam_cache.attend_beams(query, key, value, mask, bias, beam_size)
+                return self._output(beam_cache.ungroup_queries(out, beam_size), features)
+            key = beam_cache.group_keys(key, beam_size)
+            value = beam_cache.group_keys(value, beam_size)
         out = dot_product_attention(
             query,
             key,
@@ -378,6 +382,10 @@ class MultiHeadAttention(nn.Module):
             self.sow("intermediates", "attention_weights", weights)
         if beams:
             out = beam_cache.ungroup_queries(out, beam_size)
+        return self._output(out, features)
+
+    def _output(self, out: Array, features: int) -> Array:
+        """`[batch, len, heads, head_dim]` -> `[batch, len, features]`."""
         return OutputProjection(
             features,
             use_bias=self.use_bias,
@@ -392,44 +400,47 @@ class MultiHeadAttention(nn.Module):
         """Encoder keys/values for decoding, projected once per batch instead of every step.
 
         A call with the encoder output (``inputs_kv``) projects and stores them in the cache
-        (``cross_key``/``cross_value`` `[batch, src_len, kv_heads, head_dim]`); later calls with
-        ``inputs_kv=None`` read them back.
+        (``cross_key``/``cross_value``, heads first: `[batch, kv_heads, src_len, head_dim]`, see
+        ``heads_first``); later calls with ``inputs_kv=None`` read them back. Returns them
+        `[batch, src_len, kv_heads, head_dim]`.
         """
         if inputs_kv is not None:
             key, value = self._project_kv(inputs_kv, kv_heads, positions_kv)
-            cached_key = self.variable("cache", "cross_key", jnp.zeros, key.shape, key.dtype)
-            cached_value = self.variable(
-                "cache", "cross_value", jnp.zeros, value.shape, value.dtype
-            )
-            cached_key.value, cached_value.value = key, value
+            shape = heads_first(key).shape
+            cached_key = self.variable("cache", "cross_key", jnp.zeros, shape, key.dtype)
+            cached_value = self.variable("cache", "cross_value", jnp.zeros, shape, value.dtype)
+            cached_key.value, cached_value.value = heads_first(key), heads_first(value)
             return key, value
         if not self.has_variable("cache", "cross_key"):
             raise ValueError(
                 "cross-attention decoding without inputs_kv reads projected encoder keys from "
                 "the cache: call it once with the encoder output first"
             )
-        return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
+        cached = self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
+        return heads_first(cached[0]), heads_first(cached[1])
 
     def _update_cache(
         self, key: Array, value: Array, mask: Array | None, positions_q: Array | None, check: bool
     ) -> tuple[Array, Array, Array | None]:
         """Writes the new keys/values `[batch, q_len, kv_heads, head_dim]` at cache slots
-        ``positions_q[0]``; returns the whole cache and its causal mask."""
+        ``positions_q[0]``; returns the whole cache `[batch, max_len, kv_heads, head_dim]` and
+        its causal mask. The cache is stored heads first (``heads_first``)."""
         initialized = self.has_variable("cache", "cached_key")
-        shape = key.shape
-        if self.window is not None and shape[1] >= self.window:
-            shape = (shape[0], self.window, *shape[2:])  # a ring buffer (see the class docstring)
+        batch, length, kv_heads, head_dim = key.shape
+        if self.window is not None and length >= self.window:
+            length = self.window  # a ring buffer (see the class docstring)
+        shape = (batch, kv_heads, length, head_dim)
         cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
         if not initialized:  # the init call only allocates the cache
             return key, value, mask
-        q_len, max_len = key.shape[1], cached_key.value.shape[1]
+        q_len, max_len = key.shape[1], cached_key.value.shape[2]
         if self.window is not None and max_len == self.window and q_len:
             if positions_q is None:
                 raise ValueError("decode=True self-attention needs positions_q `[batch, q_len]`")
             return self._update_ring(cached_key, cached_value, key, value, mask, positions_q)
         if q_len == 0:  # nothing to write (a call that only fills the cross-attention cache)
-            return cached_key.value, cached_value.value, mask
+            return heads_first(cached_key.value), heads_first(cached_value.value), mask
         if positions_q is None:
             raise ValueError(
                 "decode=True self-attention needs positions_q `[batch, q_len]`: the absolute "
@@ -439,11 +450,12 @@ class MultiHeadAttention(nn.Module):
         index = positions[0]
         check_cache_room(index, q_len, max_len, runtime=check)
         zero = jnp.array(0, jnp.int32)
+        start = (zero, zero, index, zero)
         cached_key.value = jax.lax.dynamic_update_slice(
-            cached_key.value, key.astype(cached_key.value.dtype), (zero, index, zero, zero)
+            cached_key.value, heads_first(key).astype(cached_key.value.dtype), start
         )
         cached_value.value = jax.lax.dynamic_update_slice(
-            cached_value.value, value.astype(cached_value.value.dtype), (zero, index, zero, zero)
+            cached_value.value, heads_first(value).astype(cached_value.value.dtype), start
         )
         # New query i (absolute position index + i) sees cached positions <= index + i.
         distance = positions[:, None] - jnp.arange(max_len)[None, :]  # [q_len, max_len]
@@ -451,7 +463,7 @@ class MultiHeadAttention(nn.Module):
         if self.window is not None:  # a cache shorter than the window: nothing falls out yet
             allowed = allowed & (distance <= self.window)
         mask = combine_masks(mask, allowed[None, None])
-        return cached_key.value, cached_value.value, mask
+        return heads_first(cached_key.value), heads_first(cached_value.value), mask
 
     def _update_ring(
         self,
@@ -464,7 +476,7 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[Array, Array, Array | None]:
         """Sliding-window decoding from a ring buffer of ``window`` slots.
 
-        cached_key/cached_value: the "cache" variables `[batch, window, kv_heads, head_dim]`,
+        cached_key/cached_value: the "cache" variables `[batch, kv_heads, window, head_dim]`,
         slot s holding the newest position p < index with p % window == s. key/value: the new
         `[batch, q_len, kv_heads, head_dim]` at positions index .. index + q_len - 1
         (``positions_q[0]``). Returns keys/values `[batch, window + q_len, ...]` (the ring, then
@@ -478,15 +490,29 @@ class MultiHeadAttention(nn.Module):
         key_positions = ring_key_positions(positions, ring)  # [window + q_len]
         distance = positions[:, None] - key_positions[None, :]
         allowed = (key_positions[None, :] >= 0) & (distance >= 0) & (distance <= ring)
-        keys = jnp.concatenate([cached_key.value, key.astype(cached_key.value.dtype)], axis=1)
-        values = jnp.concatenate([cached_value.value, value.astype(cached_value.value.dtype)], 1)
+        new_key = heads_first(key).astype(cached_key.value.dtype)
+        new_value = heads_first(value).astype(cached_value.value.dtype)
+        keys = jnp.concatenate([cached_key.value, new_key], axis=2)
+        values = jnp.concatenate([cached_value.value, new_value], axis=2)
         # After the write slot s holds the newest position <= last in its residue class: a new
         # one (at ring + its offset in the concatenation) or the one it held.
         newest = last - jnp.mod(last - slots, ring)
         source = jnp.where(newest >= index, ring + newest - index, slots)  # [window]
-        cached_key.value = jnp.take(keys, source, axis=1)
-        cached_value.value = jnp.take(values, source, axis=1)
-        return keys, values, combine_masks(mask, allowed[None, None])
+        cached_key.value = jnp.take(keys, source, axis=2)
+        cached_value.value = jnp.take(values, source, axis=2)
+        return heads_first(keys), heads_first(values), combine_masks(mask, allowed[None, None])
+
+
+def heads_first(x: Array) -> Array:
+    """`[batch, length, heads, head_dim]` <-> `[batch, heads, length, head_dim]` (its own inverse).
+
+    Decoding caches are stored heads first: attention's two dots batch over (batch, heads), and
+    XLA's CPU dots want the batch dimensions leading, so a cache stored `[batch, length, heads,
+    head_dim]` was copied whole into that order by every layer at every step (about 30% of a
+    greedy step at opus-mt size, bench/README.md). Read back through this transpose, the
+    stored order is the one the dots use and XLA folds the two transposes away.
+    """
+    return jnp.swapaxes(x, 1, 2)
 
 
 def ring_key_positions(positions: Array, ring: int) -> Array:

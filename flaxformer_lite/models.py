@@ -304,7 +304,7 @@ class Decoder(nn.Module):
         collection, or ``new_positions`` on the call that allocates them."""
         cache = self.variables.get("cache", {})
         lengths = {
-            leaf.shape[1]
+            leaf.shape[2]  # [batch, kv_heads, slots, head_dim]
             for path, leaf in traverse_util.flatten_dict(cache).items()
             if path[-1] == "cached_key"
         }

@@ -101,17 +101,17 @@ def batch_parallelism(mesh: Mesh) -> int:
 def cache_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
     """Where one entry of a decoding key/value cache lives.
 
-    Keys and values `[batch, length, kv_heads, head_dim]` put the batch on data x fsdp and the
-    kv heads on tensor, each only where the mesh axis divides the dimension (multi-query
-    attention's single kv head stays whole on every tensor-parallel device). Another entry
-    has its leading axis split like a batch when that divides; scalars (``cache_index``)
-    are replicated.
+    Keys and values `[batch, kv_heads, length, head_dim]` (stored heads first,
+    ``layers.heads_first``) put the batch on data x fsdp and the kv heads on tensor, each only
+    where the mesh axis divides the dimension (multi-query attention's single kv head stays
+    whole on every tensor-parallel device). Another entry has its leading axis split like a
+    batch when that divides; scalars (``cache_index``) are replicated.
     """
     spec: list[Any] = [None] * len(shape)
     if len(shape) >= 1 and shape[0] % batch_parallelism(mesh) == 0:
         spec[0] = BATCH_AXES
-    if len(shape) == 4 and shape[2] % mesh.shape["tensor"] == 0:
-        spec[2] = "tensor"
+    if len(shape) == 4 and shape[1] % mesh.shape["tensor"] == 0:
+        spec[1] = "tensor"
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 

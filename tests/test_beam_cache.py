@@ -128,13 +128,48 @@ def test_cache_keeps_one_cross_entry_per_source_and_rows_per_hypothesis():
     in_place = flat(gen.init_cache(model, params, 3, MAX_LEN, 7, beam_size=4))
     reorder = flat(gen.init_cache(model, params, 12, MAX_LEN, 7))
     layer = "decoder/layers_0"
-    assert in_place[f"{layer}/cross_attention/cross_key"] == (3, 7, 4, 8)
-    assert in_place[f"{layer}/cross_attention/cross_value"] == (3, 7, 4, 8)
-    assert in_place[f"{layer}/self_attention/cached_key"] == (12, MAX_LEN, 4, 8)
+    # Heads first: [rows, kv_heads, length, head_dim].
+    assert in_place[f"{layer}/cross_attention/cross_key"] == (3, 4, 7, 8)
+    assert in_place[f"{layer}/cross_attention/cross_value"] == (3, 4, 7, 8)
+    assert in_place[f"{layer}/self_attention/cached_key"] == (12, 4, MAX_LEN, 8)
     assert in_place[f"decoder/{BEAM_ANCESTORS}"] == (12, MAX_LEN)
     # The reordering search keeps a cross entry per hypothesis and no ancestry.
-    assert reorder[f"{layer}/cross_attention/cross_key"] == (12, 7, 4, 8)
+    assert reorder[f"{layer}/cross_attention/cross_key"] == (12, 4, 7, 8)
     assert f"decoder/{BEAM_ANCESTORS}" not in reorder
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_attend_beams_equals_attention_over_grouped_keys(kv_heads, q_len):
+    """``attend_beams`` (each key beam a batch dimension, what the decoder runs) equals the
+    reference path over ``group_keys`` with the same history mask and bias, including a query
+    that may attend nothing (zeros)."""
+    batch, beam, slots, heads, d = 2, 3, 5, 4, 8
+    rows = batch * beam
+    rng = np.random.default_rng(1)
+    query = jnp.asarray(rng.normal(size=(rows, q_len, heads, d)), jnp.float32)
+    key = jnp.asarray(rng.normal(size=(rows, slots, kv_heads, d)), jnp.float32)
+    value = jnp.asarray(rng.normal(size=(rows, slots, kv_heads, d)), jnp.float32)
+    ancestors = jnp.asarray(rng.integers(0, beam, (rows, slots)), jnp.int32)
+    causal = rng.random((rows, 1, q_len, slots)) < 0.7
+    causal[0, 0, 0] = False  # row 0's first query sees nothing
+    mask = beam_cache.history_mask(ancestors, beam, q_len, jnp.asarray(causal))
+    bias = beam_cache.group_bias(
+        jnp.asarray(rng.normal(size=(1, heads, q_len, slots)), jnp.float32),
+        rows,
+        beam,
+        q_len,
+        slots,
+    )
+    grouped = beam_cache.group_queries(query, beam)
+    want = attention.dot_product_attention(
+        grouped, beam_cache.group_keys(key, beam), beam_cache.group_keys(value, beam), mask, bias
+    )
+    got = jax.jit(beam_cache.attend_beams, static_argnums=5)(grouped, key, value, mask, bias, beam)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert not np.any(np.asarray(got)[0, 0])
+    without_bias = beam_cache.attend_beams(grouped, key, value, mask, None, beam)
+    assert np.abs(np.asarray(without_bias) - np.asarray(want)).max() > 1e-3  # the bias counts
 
 
 # ----------------------------------------------------------------------------- generate

@@ -357,14 +357,14 @@ def test_sampling_without_rng_fails(params, inputs):
 
 
 def test_cache_sharding_splits_batch_and_divisible_kv_heads():
-    # AbstractMesh: the rule needs only axis sizes. [batch, length, kv_heads, head_dim]: batch
+    # AbstractMesh: the rule needs only axis sizes. [batch, kv_heads, length, head_dim]: batch
     # 6 over data x fsdp = 2, kv_heads 4 over tensor 2; scalars (the cache index) replicated.
     from jax.sharding import AbstractMesh
 
     mesh = AbstractMesh((1, 2, 2), sharding.MESH_AXES)
-    spec = sharding.cache_sharding((6, 10, 4, 8), mesh).spec
-    assert spec == PartitionSpec(("data", "fsdp"), None, "tensor", None)
-    assert sharding.cache_sharding((6, 10, 3, 8), mesh).spec == PartitionSpec(
+    spec = sharding.cache_sharding((6, 4, 10, 8), mesh).spec
+    assert spec == PartitionSpec(("data", "fsdp"), "tensor", None, None)
+    assert sharding.cache_sharding((6, 3, 10, 8), mesh).spec == PartitionSpec(
         ("data", "fsdp"), None, None, None
     )
     assert sharding.cache_sharding((), mesh).spec == PartitionSpec()
@@ -375,11 +375,11 @@ def test_cache_sharding_leaves_what_the_mesh_does_not_divide_whole():
     from jax.sharding import AbstractMesh
 
     mesh = AbstractMesh((2, 1, 4), sharding.MESH_AXES)
-    assert sharding.cache_sharding((6, 10, 4, 8), mesh).spec == PartitionSpec(
-        ("data", "fsdp"), None, "tensor", None
+    assert sharding.cache_sharding((6, 4, 10, 8), mesh).spec == PartitionSpec(
+        ("data", "fsdp"), "tensor", None, None
     )
     # Multi-query attention (1 kv head) and an odd row count: replicated there.
-    assert sharding.cache_sharding((5, 10, 1, 8), mesh).spec == PartitionSpec(
+    assert sharding.cache_sharding((5, 1, 10, 8), mesh).spec == PartitionSpec(
         None, None, None, None
     )
 

@@ -78,8 +78,8 @@ def test_kernels_and_caches_are_heads_by_head_dim():
         )["cache"]
     )
     attention = shapes(cache)["decoder"]["layers_1"]
-    assert attention["self_attention"]["cached_key"] == (2, 9, 4, 12)  # [b, len, kv_heads, hd]
-    assert attention["cross_attention"]["cross_value"] == (2, 5, 4, 12)
+    assert attention["self_attention"]["cached_key"] == (2, 4, 9, 12)  # [b, kv_heads, len, hd]
+    assert attention["cross_attention"]["cross_value"] == (2, 4, 5, 12)
 
     fused = shapes(jax.eval_shape(lambda: DecoderOnly(COMBO).init(jax.random.key(0), y))["params"])[
         "decoder"

@@ -269,7 +269,7 @@ def test_init_cache_of_a_scanned_model_is_the_unrolled_per_layer_cache(scanned_l
     cfg, params = scanned_lm
     cache = init_cache(DecoderOnly(cfg), params, batch_size=3, max_len=9)
     layer = cache["decoder"]["layers_1"]["self_attention"]
-    assert layer["cached_key"].shape == (3, 9, 2, 8)  # [batch, max_len, kv_heads, head_dim]
+    assert layer["cached_key"].shape == (3, 2, 9, 8)  # [batch, kv_heads, max_len, head_dim]
     assert "layers" not in cache["decoder"]
 
 

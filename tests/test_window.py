@@ -206,10 +206,10 @@ def test_cache_size_is_the_window_whatever_max_len(lm):
     assert shapes[0] == shapes[1] == shapes[2]
     cache = init_cache(model, params, 2, 16)
     key = cache["decoder"]["layers_0"]["self_attention"]["cached_key"]
-    assert key.shape == (2, WINDOW, LM.kv_heads, LM.effective_head_dim)
+    assert key.shape == (2, LM.kv_heads, WINDOW, LM.effective_head_dim)  # heads first
     # A cache shorter than the window stays linear (nothing ever falls out of the window).
     short = init_cache(model, params, 2, WINDOW - 1)
-    assert short["decoder"]["layers_0"]["self_attention"]["cached_key"].shape[1] == WINDOW - 1
+    assert short["decoder"]["layers_0"]["self_attention"]["cached_key"].shape[2] == WINDOW - 1
 
 
 @pytest.mark.parametrize("chunks", [(1,) * 14, (5, 1, 1, 7), (2, 12)])
