@@ -12,7 +12,10 @@ rotates every round, so machine load hits every system alike), greedy and beam 4
 * ``hf``: ``MarianMTModel.generate`` (PyTorch eager, its key/value cache, ``torch.no_grad``,
   ``os.cpu_count()`` threads), ``num_beams`` 1 or 4, ``length_penalty`` 1;
 * ``ct2-float32`` and ``ct2-int8``: ``ctranslate2.Translator.translate_batch`` on the converted
-  model, ``compute_type`` float32 or int8 (weights quantized at load), ``beam_size`` 1 or 4.
+  model, ``compute_type`` float32 or int8 (weights quantized at load), ``beam_size`` 1 or 4;
+* ``flaxformer_lite-int8``: ours with ``quantize.quantize_params`` and
+  ``quantization="int8"`` (int8 weights per output channel, int8 activations per row, int32
+  accumulation: CTranslate2's int8 scheme).
 
 Every system must produce exactly ``new`` tokens per sentence: the final logits bias of EOS and
 of pad is -1e4 in the shared weights, so no system can end a sentence early (checked: no EOS in
@@ -27,6 +30,8 @@ a markdown table. Needs the bench extra (transformers, torch, ctranslate2).
 
     .venv/bin/python bench/translate_speed.py --quick    # small model, about a minute
     .venv/bin/python bench/translate_speed.py            # opus-mt size: batch 1/8/32, 32/128 new
+    .venv/bin/python bench/translate_speed.py --systems flaxformer_lite flaxformer_lite-int8 \
+        ct2-float32 ct2-int8 --batches 8 32 --new_tokens 32   # the int8 comparison alone
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import numpy as np
 
 from flaxformer_lite import hf
 from flaxformer_lite.generate import default_mesh, generate_jit
+from flaxformer_lite.quantize import quantize_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -79,7 +85,7 @@ QUICK = dict(
     batches=(1, 8),
     new_tokens=(16,),
 )
-SYSTEMS = ("flaxformer_lite", "hf", "ct2-float32", "ct2-int8")
+SYSTEMS = ("flaxformer_lite", "hf", "ct2-float32", "ct2-int8", "flaxformer_lite-int8")
 METHODS = {"greedy": 1, "beam4": 4}
 
 
@@ -152,8 +158,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model, about a minute")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell")
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--batches", nargs="+", type=int, default=None, help="override")
+    parser.add_argument("--new_tokens", nargs="+", type=int, default=None, help="override")
     args = parser.parse_args()
-    settings = QUICK if args.quick else FULL
+    settings = dict(QUICK if args.quick else FULL)
+    if args.batches:
+        settings["batches"] = tuple(args.batches)
+    if args.new_tokens:
+        settings["new_tokens"] = tuple(args.new_tokens)
+    systems = tuple(s for s in SYSTEMS if s in args.systems or s == "flaxformer_lite")
 
     import ctranslate2
     import torch
@@ -166,6 +180,8 @@ def main() -> None:
             settings, max(settings["new_tokens"]), Path(tmp)
         )
         mesh = default_mesh()
+        config_q = config.replace(quantization="int8")
+        params_q = quantize_params(params, config)
         translators = {
             name: ctranslate2.Translator(
                 str(ct2_dir), device="cpu", compute_type=kind, intra_threads=threads
@@ -183,19 +199,22 @@ def main() -> None:
                 for method, beams in METHODS.items():
                     ours_method = "greedy" if beams == 1 else "beam"
                     start = time.perf_counter()
-                    compiled = generate_jit.lower(
-                        params,
-                        config,
-                        src,
-                        mesh=mesh,
-                        method=ours_method,
-                        max_len=new,
-                        beam_size=beams,
-                        alpha=0.0,
-                    ).compile()
+                    compiled, compiled_q = (
+                        generate_jit.lower(
+                            p,
+                            c,
+                            src,
+                            mesh=mesh,
+                            method=ours_method,
+                            max_len=new,
+                            beam_size=beams,
+                            alpha=0.0,
+                        ).compile()
+                        for p, c in ((params, config), (params_q, config_q))
+                    )
                     compile_s = time.perf_counter() - start
 
-                    def run_ours(compiled=compiled, src=src):
+                    def run_ours(compiled=compiled, src=src, params=params):
                         tokens, _ = compiled(params, src)
                         return np.asarray(jax.block_until_ready(tokens))
 
@@ -227,11 +246,14 @@ def main() -> None:
                         "hf": run_hf,
                         "ct2-float32": lambda: run_ct2("ct2-float32"),
                         "ct2-int8": lambda: run_ct2("ct2-int8"),
+                        "flaxformer_lite-int8": lambda c=compiled_q, s=src: run_ours(
+                            c, s, params_q
+                        ),
                     }
-                    times = {name: [] for name in SYSTEMS}
-                    outputs = {name: runners[name]() for name in SYSTEMS}  # warm-up
+                    times = {name: [] for name in systems}
+                    outputs = {name: runners[name]() for name in systems}  # warm-up
                     for r in range(args.rounds):
-                        order = SYSTEMS[r % len(SYSTEMS) :] + SYSTEMS[: r % len(SYSTEMS)]
+                        order = systems[r % len(systems) :] + systems[: r % len(systems)]
                         for name in order:
                             start = time.perf_counter()
                             outputs[name] = runners[name]()
@@ -240,7 +262,7 @@ def main() -> None:
                         assert out.shape == (batch, new), (name, out.shape)
                         assert not (out == config.eos_id).any(), name
                     row = dict(method=method, batch=batch, new_tokens=new, compile_s=compile_s)
-                    for name in SYSTEMS:
+                    for name in systems:
                         seconds = statistics.median(times[name])
                         row[f"{name}_tok_s"] = batch * new / seconds
                         row[f"{name}_agreement"] = float(
@@ -249,16 +271,25 @@ def main() -> None:
                     results.append(row)
                     print(json.dumps(row), flush=True)
 
-    header = "| method | batch | new | " + " | ".join(f"{s} tok/s" for s in SYSTEMS)
-    header += " | ours / ct2-f32 | ours / hf | agreement hf, ct2-f32 |"
-    lines = [header, "|" + "---|" * (len(SYSTEMS) + 6)]
+    header = "| method | batch | new | " + " | ".join(f"{s} tok/s" for s in systems)
+    ratios = [  # (column, numerator, denominator)
+        ("ours / ct2-f32", "flaxformer_lite", "ct2-float32"),
+        ("ours / hf", "flaxformer_lite", "hf"),
+        ("ct2-int8 / ct2-f32", "ct2-int8", "ct2-float32"),
+        ("ours-int8 / ours", "flaxformer_lite-int8", "flaxformer_lite"),
+        ("ours-int8 / ct2-int8", "flaxformer_lite-int8", "ct2-int8"),
+    ]
+    ratios = [r for r in ratios if r[1] in systems and r[2] in systems]
+    agree = [s for s in systems if s != "flaxformer_lite"]
+    header += "".join(f" | {r[0]}" for r in ratios) + f" | agreement {', '.join(agree)} |"
+    lines = [header, "|" + "---|" * (len(systems) + len(ratios) + 4)]
     for r in results:
-        speeds = " | ".join(f"{r[f'{s}_tok_s']:,.0f}" for s in SYSTEMS)
-        ours = r["flaxformer_lite_tok_s"]
+        speeds = " | ".join(f"{r[f'{s}_tok_s']:,.0f}" for s in systems)
+        quotients = "".join(f" | {r[f'{a}_tok_s'] / r[f'{b}_tok_s']:.2f}" for _, a, b in ratios)
+        agreement = ", ".join(f"{r[f'{s}_agreement']:.3f}" for s in agree)
         lines.append(
-            f"| {r['method']} | {r['batch']} | {r['new_tokens']} | {speeds} | "
-            f"{ours / r['ct2-float32_tok_s']:.2f} | {ours / r['hf_tok_s']:.2f} | "
-            f"{r['hf_agreement']:.3f}, {r['ct2-float32_agreement']:.3f} |"
+            f"| {r['method']} | {r['batch']} | {r['new_tokens']} | {speeds}{quotients} | "
+            f"{agreement} |"
         )
     table = "\n".join(lines)
     print(table)
@@ -269,6 +300,7 @@ def main() -> None:
         ctranslate2=ctranslate2.__version__,
         settings={k: v for k, v in settings.items()},
         rounds=args.rounds,
+        systems=systems,
     )
     out = args.out or RESULTS / (
         "translate_speed_quick.json" if args.quick else "translate_speed.json"
