@@ -142,7 +142,12 @@ def main() -> None:
         "results": results,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "int8_matmul.json").write_text(json.dumps(record, indent=2) + "\n")
+    path = RESULTS / "int8_matmul.json"
+    if path.exists():  # settings run separately accumulate in one file
+        old = json.loads(path.read_text())
+        record["settings"] = {**old.get("settings", {}), **record["settings"]}
+        record["results"] = {**old.get("results", {}), **record["results"]}
+    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":
