@@ -15,7 +15,10 @@ rotates every round, so machine load hits every system alike), greedy and beam 4
 * ``hf``: ``MarianMTModel.generate`` (PyTorch eager, its key/value cache, ``torch.no_grad``,
   ``os.cpu_count()`` threads), ``num_beams`` 1 or 4, ``length_penalty`` 1;
 * ``ct2-float32`` and ``ct2-int8``: ``ctranslate2.Translator.translate_batch`` on the converted
-  model, ``compute_type`` float32 or int8 (weights quantized at load), ``beam_size`` 1 or 4.
+  model, ``compute_type`` float32 or int8 (weights quantized at load), ``beam_size`` 1 or 4;
+* ``flaxformer_lite-int8``: ours with ``quantize.quantize_params`` and
+  ``quantization="int8"`` (int8 weights per output channel, int8 activations per row, int32
+  accumulation: CTranslate2's int8 scheme).
 
 Every system must produce exactly ``new`` tokens per sentence: the final logits bias of EOS and
 of pad is -1e4 in the shared weights, so no system can end a sentence early (checked: no EOS in
@@ -30,7 +33,9 @@ a markdown table. Needs the bench extra (transformers, torch, ctranslate2).
 
     .venv/bin/python bench/translate_speed.py --quick    # small model, about a minute
     .venv/bin/python bench/translate_speed.py            # opus-mt size: batch 1/8/32, 32/128 new
-    .venv/bin/python bench/translate_speed.py --methods beam4 --batches 1,32 --new 32
+    .venv/bin/python bench/translate_speed.py --systems flaxformer_lite flaxformer_lite-int8 \
+        ct2-float32 ct2-int8 --batches 8 32 --new_tokens 32   # the int8 comparison alone
+    .venv/bin/python bench/translate_speed.py --methods beam4 --batches 1 32 --new_tokens 32
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import numpy as np
 
 from flaxformer_lite import hf
 from flaxformer_lite.generate import default_mesh, generate_jit
+from flaxformer_lite.quantize import quantize_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -83,7 +89,14 @@ QUICK = dict(
     batches=(1, 8),
     new_tokens=(16,),
 )
-SYSTEMS = ("flaxformer_lite", "ours-reorder", "hf", "ct2-float32", "ct2-int8")
+SYSTEMS = (
+    "flaxformer_lite",
+    "ours-reorder",
+    "hf",
+    "ct2-float32",
+    "ct2-int8",
+    "flaxformer_lite-int8",
+)
 METHODS = {"greedy": 1, "beam4": 4}
 
 
@@ -156,17 +169,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model, about a minute")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell")
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
-    parser.add_argument("--methods", default=",".join(METHODS), help="e.g. beam4")
-    parser.add_argument("--batches", default=None, help="e.g. 1,32 (default: all)")
-    parser.add_argument("--new", default=None, help="new tokens, e.g. 32 (default: all)")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="e.g. flaxformer_lite,hf")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--batches", nargs="+", type=int, default=None, help="override")
+    parser.add_argument("--new_tokens", nargs="+", type=int, default=None, help="override")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     args = parser.parse_args()
     settings = dict(QUICK if args.quick else FULL)
     if args.batches:
-        settings["batches"] = tuple(int(b) for b in args.batches.split(","))
-    if args.new:
-        settings["new_tokens"] = tuple(int(n) for n in args.new.split(","))
-    methods = {m: METHODS[m] for m in args.methods.split(",")}
+        settings["batches"] = tuple(args.batches)
+    if args.new_tokens:
+        settings["new_tokens"] = tuple(args.new_tokens)
+    systems = tuple(s for s in SYSTEMS if s in args.systems or s == "flaxformer_lite")
 
     import ctranslate2
     import torch
@@ -179,6 +192,8 @@ def main() -> None:
             settings, max(settings["new_tokens"]), Path(tmp)
         )
         mesh = default_mesh()
+        config_q = config.replace(quantization="int8")
+        params_q = quantize_params(params, config)
         translators = {
             name: ctranslate2.Translator(
                 str(ct2_dir), device="cpu", compute_type=kind, intra_threads=threads
@@ -193,16 +208,16 @@ def main() -> None:
                 src[:, -1] = config.eos_id
                 src = src.astype(np.int32)
                 src_tokens = [[vocab[i] for i in row] for row in src]
-                for method, beams in methods.items():
-                    ours_method = "greedy" if beams == 1 else "beam"
+                for method in args.methods:
+                    beams = METHODS[method]
 
-                    def compile_ours(beam_cache, src=src, beams=beams, new=new, m=ours_method):
+                    def compile_ours(p, c, beam_cache="in_place", src=src, beams=beams, new=new):
                         return generate_jit.lower(
-                            params,
-                            config,
+                            p,
+                            c,
                             src,
                             mesh=mesh,
-                            method=m,
+                            method="greedy" if beams == 1 else "beam",
                             max_len=new,
                             beam_size=beams,
                             alpha=0.0,
@@ -210,11 +225,20 @@ def main() -> None:
                         ).compile()
 
                     start = time.perf_counter()
-                    compiled = compile_ours("in_place")
+                    compiled = compile_ours(params, config)
                     compile_s = time.perf_counter() - start
-                    reordering = compile_ours("reorder") if beams > 1 else None
+                    compiled_q = (
+                        compile_ours(params_q, config_q)
+                        if "flaxformer_lite-int8" in systems
+                        else None
+                    )
+                    reordering = (
+                        compile_ours(params, config, "reorder")
+                        if beams > 1 and "ours-reorder" in systems
+                        else None
+                    )
 
-                    def run_ours(compiled=compiled, src=src):
+                    def run_ours(compiled=compiled, src=src, params=params):
                         tokens, _ = compiled(params, src)
                         return np.asarray(jax.block_until_ready(tokens))
 
@@ -243,20 +267,19 @@ def main() -> None:
 
                     runners = {
                         "flaxformer_lite": run_ours,
-                        "ours-reorder": lambda r=reordering: run_ours(r),
+                        "ours-reorder": lambda c=reordering, s=src: run_ours(c, s),
                         "hf": run_hf,
                         "ct2-float32": lambda: run_ct2("ct2-float32"),
                         "ct2-int8": lambda: run_ct2("ct2-int8"),
+                        "flaxformer_lite-int8": lambda c=compiled_q, s=src: run_ours(
+                            c, s, params_q
+                        ),
                     }
-                    systems = tuple(
-                        s
-                        for s in SYSTEMS
-                        if s in args.systems.split(",") and (beams > 1 or s != "ours-reorder")
-                    )
-                    times = {name: [] for name in systems}
-                    outputs = {name: runners[name]() for name in systems}  # warm-up
+                    cell = tuple(s for s in systems if beams > 1 or s != "ours-reorder")
+                    times = {name: [] for name in cell}
+                    outputs = {name: runners[name]() for name in cell}  # warm-up
                     for r in range(args.rounds):
-                        order = systems[r % len(systems) :] + systems[: r % len(systems)]
+                        order = cell[r % len(cell) :] + cell[: r % len(cell)]
                         for name in order:
                             start = time.perf_counter()
                             outputs[name] = runners[name]()
@@ -265,7 +288,7 @@ def main() -> None:
                         assert out.shape == (batch, new), (name, out.shape)
                         assert not (out == config.eos_id).any(), name
                     row = dict(method=method, batch=batch, new_tokens=new, compile_s=compile_s)
-                    for name in systems:
+                    for name in cell:
                         seconds = statistics.median(times[name])
                         row[f"{name}_tok_s"] = batch * new / seconds
                         row[f"{name}_agreement"] = float(
@@ -274,25 +297,33 @@ def main() -> None:
                     results.append(row)
                     print(json.dumps(row), flush=True)
 
-    header = "| method | batch | new | " + " | ".join(f"{s} tok/s" for s in SYSTEMS)
-    header += " | ours / ct2-f32 | ours / hf | ours / reorder | agreement hf, ct2-f32, reorder |"
-    lines = [header, "|" + "---|" * (len(SYSTEMS) + 7)]
+    header = "| method | batch | new | " + " | ".join(f"{s} tok/s" for s in systems)
+    ratios = [  # (column, numerator, denominator)
+        ("ours / ct2-f32", "flaxformer_lite", "ct2-float32"),
+        ("ours / hf", "flaxformer_lite", "hf"),
+        ("ours / reorder", "flaxformer_lite", "ours-reorder"),
+        ("ct2-int8 / ct2-f32", "ct2-int8", "ct2-float32"),
+        ("ours-int8 / ours", "flaxformer_lite-int8", "flaxformer_lite"),
+        ("ours-int8 / ct2-int8", "flaxformer_lite-int8", "ct2-int8"),
+    ]
+    ratios = [r for r in ratios if r[1] in systems and r[2] in systems]
+    agree = [s for s in systems if s != "flaxformer_lite"]
+    header += "".join(f" | {r[0]}" for r in ratios) + f" | agreement {', '.join(agree)} |"
+    lines = [header, "|" + "---|" * (len(systems) + len(ratios) + 4)]
     for r in results:
-        speeds = " | ".join(
-            f"{r[f'{s}_tok_s']:,.0f}" if f"{s}_tok_s" in r else "-" for s in SYSTEMS
-        )
-        ours = r["flaxformer_lite_tok_s"]
 
-        def ratio(system, r=r, ours=ours):
-            return f"{ours / r[f'{system}_tok_s']:.2f}" if f"{system}_tok_s" in r else "-"
+        def cell(key, fmt, r=r):
+            return format(r[key], fmt) if key in r else "-"
 
-        agree = ", ".join(
-            f"{r[f'{s}_agreement']:.3f}" if f"{s}_agreement" in r else "-"
-            for s in ("hf", "ct2-float32", "ours-reorder")
+        speeds = " | ".join(cell(f"{s}_tok_s", ",.0f") for s in systems)
+        quotients = "".join(
+            f" | {r[f'{a}_tok_s'] / r[f'{b}_tok_s']:.2f}" if f"{b}_tok_s" in r else " | -"
+            for _, a, b in ratios
         )
+        agreement = ", ".join(cell(f"{s}_agreement", ".3f") for s in agree)
         lines.append(
-            f"| {r['method']} | {r['batch']} | {r['new_tokens']} | {speeds} | "
-            f"{ratio('ct2-float32')} | {ratio('hf')} | {ratio('ours-reorder')} | {agree} |"
+            f"| {r['method']} | {r['batch']} | {r['new_tokens']} | {speeds}{quotients} | "
+            f"{agreement} |"
         )
     table = "\n".join(lines)
     print(table)
@@ -303,6 +334,7 @@ def main() -> None:
         ctranslate2=ctranslate2.__version__,
         settings={k: v for k, v in settings.items()},
         rounds=args.rounds,
+        systems=systems,
     )
     out = args.out or RESULTS / (
         "translate_speed_quick.json" if args.quick else "translate_speed.json"

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.activations import ACTIVATIONS as _ACTIVATION_FUNCTIONS
 from flaxformer_lite.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from flaxformer_lite.quantize import QUANTIZATIONS
 from flaxformer_lite.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 ACTIVATIONS = tuple(_ACTIVATION_FUNCTIONS)
@@ -126,6 +127,9 @@ class TransformerConfig:
         d_model, the projections are `[d_model, heads, head_dim]` and the output projection
         `[heads, head_dim, d_model]`, so attention is num_heads * head_dim wide inside and
         d_model wide outside. ``effective_head_dim`` is the width in use either way.
+      quantization: None (float) or "int8": inference with int8 weights and per-row int8
+        activations (``quantize``: the parameters must come from ``quantize.quantize_params``;
+        encoder-decoder and decoder-only models; mixture-of-experts blocks stay float).
     """
 
     vocab_size: int = 37000
@@ -173,6 +177,7 @@ class TransformerConfig:
     relative_num_buckets: int = 32
     relative_max_distance: int = 128
     head_dim: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -238,6 +243,7 @@ class TransformerConfig:
             "attention_implementation": ATTENTION_IMPLEMENTATIONS,
             "pooling": POOLINGS,
             "attention_window_layers": ATTENTION_WINDOW_LAYERS,
+            "quantization": QUANTIZATIONS,
         }
         for name, valid in choices.items():
             if getattr(self, name) not in valid:

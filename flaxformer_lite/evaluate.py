@@ -94,7 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{args.source} has {len(sources)} lines but {args.reference} has "
                 f"{len(references)}: they must be aligned"
             )
-        translator = Translator.from_pretrained(args.workdir, step=args.step, average=args.average)
+        translator = Translator.from_pretrained(
+            args.workdir, step=args.step, average=args.average, quantize=args.quantize
+        )
         hypotheses = translator.translate(sources, progress=True, **decoding_kwargs(args))
     except (FileNotFoundError, ValueError) as e:  # a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
@@ -116,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "checkpoint": translator.name,
             "average": args.average,
             "method": args.method,
+            "quantize": args.quantize,
             "beam_size": translator.beam_size if args.beam_size is None else args.beam_size,
             "alpha": translator.alpha if args.alpha is None else args.alpha,
             "source": args.source,

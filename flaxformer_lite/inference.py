@@ -44,6 +44,7 @@ from flaxformer_lite.generate import (
     place_params,
 )
 from flaxformer_lite.models import EncoderDecoder, attention_weights_per_layer, unrolled
+from flaxformer_lite.quantize import check_quantization, quantize_params
 from flaxformer_lite.synthetic import SymbolVocabulary  # noqa: E402  (re-exported)
 from flaxformer_lite.tasks import vocabulary_ids
 
@@ -244,6 +245,9 @@ class Translator:
       name: where the model came from, for messages.
       mesh: the devices that decode (a ``sharding.make_mesh`` mesh: batch over ``data`` x
         ``fsdp``, heads over ``tensor``); None = every device, the batch split over all.
+      quantize: None, or "int8": decode with int8 weights and activations (the float
+        ``params`` are quantized here by ``quantize.quantize_params``; ``config`` then has
+        ``quantization="int8"``).
 
     A ``scan_layers`` model is converted once, here, to its unrolled equivalent
     (``models.unrolled``: same outputs), which ``config`` and ``params`` then hold.
@@ -267,8 +271,13 @@ class Translator:
         name: str = "",
         mesh: jax.sharding.Mesh | None = None,
         search_options: dict[str, Any] | None = None,
+        quantize: str | None = None,
     ) -> None:
+        check_quantization(quantize, "quantize")
         params, config = unrolled(params, config)
+        if quantize is not None and config.quantization is None:
+            params = quantize_params(params, config)
+            config = config.replace(quantization=quantize)
         self.config = config
         self.source_vocab = source_vocab
         self.target_vocab = source_vocab if target_vocab is None else target_vocab
@@ -301,6 +310,7 @@ class Translator:
         step: int | None = None,
         average: int = 1,
         mesh: jax.sharding.Mesh | None = None,
+        quantize: str | None = None,
     ) -> Translator:
         """Loads the model config, vocabulary and parameters of a ``train.py`` workdir.
 
@@ -310,6 +320,7 @@ class Translator:
           average: use the mean parameters of the ``average`` last checkpoints up to ``step``
             (checkpoint averaging; 1 = that checkpoint alone).
           mesh: the devices that decode (see the class); None = every device.
+          quantize: None or "int8" (see the class).
 
         Raises:
           FileNotFoundError: no such workdir, no ``model_config.json``, no vocabulary, no
@@ -369,11 +380,17 @@ class Translator:
             name=f"{workdir} ({label})",
             mesh=mesh,
             search_options=_run_search_options(run, config),
+            quantize=quantize,
         )
 
     @classmethod
     def from_pretrained(
-        cls, source: str, *, mesh: jax.sharding.Mesh | None = None, **workdir_kwargs: Any
+        cls,
+        source: str,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+        quantize: str | None = None,
+        **workdir_kwargs: Any,
     ) -> Translator:
         """A train.py workdir (``from_workdir``, e.g. a fine-tuned one) or a Hugging Face
         Marian folder / hub id (``hf.load_pretrained`` with its tokenizer), decoding as that
@@ -388,7 +405,7 @@ class Translator:
         from flaxformer_lite.init_from import is_workdir
 
         if is_workdir(source):
-            return cls.from_workdir(source, mesh=mesh, **workdir_kwargs)
+            return cls.from_workdir(source, mesh=mesh, quantize=quantize, **workdir_kwargs)
         config, params, tokenizer = hf.load_pretrained(source)
         if tokenizer is None:
             raise FileNotFoundError(
@@ -415,6 +432,7 @@ class Translator:
             name=str(source),
             mesh=mesh,
             search_options=options,
+            quantize=quantize,
         )
 
     @staticmethod

@@ -23,16 +23,51 @@ from flaxformer_lite.activations import ACTIVATIONS, GATED
 from flaxformer_lite.attention import attention_weights, dot_product_attention
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.masks import AttentionMask, combine_masks
+from flaxformer_lite.quantize import SCALE_SUFFIX, int8_matmul
 
 Array = jax.Array
 Dtype = Any
 
 _xavier = nn.initializers.xavier_uniform()
 _zeros = nn.initializers.zeros_init()
+_ones = nn.initializers.ones_init()
 
 
 def _param_init(init: Callable, names: tuple[str | None, ...]) -> Callable:
     return nn.with_logical_partitioning(init, names)
+
+
+def _kernel(
+    module: nn.Module,
+    name: str,
+    init: Callable,
+    names: tuple[str | None, ...],
+    shape: tuple[int, ...],
+    param_dtype: Dtype,
+    quantization: str | None,
+    in_axes: int = 1,
+) -> tuple[Array, Array | None]:
+    """A kernel `[in..., out...]` (``in_axes`` input axes) and None; with
+    ``quantization="int8"`` an int8 kernel and its per-output-channel scale `[out...]`
+    (parameter ``<name>_scale``), as ``quantize.quantize_params`` writes them."""
+    if quantization is None:
+        return module.param(name, _param_init(init, names), shape, param_dtype), None
+    kernel = module.param(name, _param_init(_zeros, names), shape, jnp.int8)
+    scale_names, scale_shape = names[in_axes:], shape[in_axes:]
+    scale = module.param(
+        name + SCALE_SUFFIX, _param_init(_ones, scale_names), scale_shape, jnp.float32
+    )
+    return kernel, scale
+
+
+def _matmul(
+    subscripts: str, x: Array, kernel: Array, scale: Array | None, dtype: Dtype, in_axes: int = 1
+) -> Array:
+    """``einsum(subscripts, x, kernel)`` in ``dtype``; with a ``scale`` (an int8 kernel) the
+    int8 x int8 -> int32 matmul of ``quantize.int8_matmul`` instead."""
+    if scale is None:
+        return jnp.einsum(subscripts, x.astype(dtype), kernel.astype(dtype))
+    return int8_matmul(x, kernel, scale, in_axes).astype(dtype)
 
 
 QUERY_AXES = ("embed", "heads", "kv")
@@ -55,17 +90,16 @@ class HeadProjection(nn.Module):
     use_bias: bool = True
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         init = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2))
-        kernel = self.param(
-            "kernel",
-            _param_init(init, self.axis_names),
-            (x.shape[-1], self.heads, self.head_dim),
-            self.param_dtype,
+        shape = (x.shape[-1], self.heads, self.head_dim)
+        kernel, scale = _kernel(
+            self, "kernel", init, self.axis_names, shape, self.param_dtype, self.quantization
         )
-        y = jnp.einsum("bld,dhk->blhk", x.astype(self.dtype), kernel.astype(self.dtype))
+        y = _matmul("bld,dhk->blhk", x, kernel, scale, self.dtype)
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -123,13 +157,20 @@ class FusedQKVProjection(nn.Module):
     use_bias: bool = True
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    quantization: str | None = None
 
     def _project(self, x: Array, name: str, init, names: tuple, shape: tuple) -> Array:
         """x `[b, l, embed]` times kernel `[embed, *shape]` (+ bias `[*shape]`)."""
-        kernel = self.param(
-            f"{name}kernel", _param_init(init, names), (x.shape[-1], *shape), self.param_dtype
+        kernel, scale = _kernel(
+            self,
+            f"{name}kernel",
+            init,
+            names,
+            (x.shape[-1], *shape),
+            self.param_dtype,
+            self.quantization,
         )
-        y = jnp.einsum("bld,d...->bl...", x.astype(self.dtype), kernel.astype(self.dtype))
+        y = _matmul("bld,d...->bl...", x, kernel, scale, self.dtype)
         if self.use_bias:
             bias_init = _param_init(_zeros, names[1:])
             bias = self.param(f"{name}bias", bias_init, shape, self.param_dtype)
@@ -161,17 +202,17 @@ class OutputProjection(nn.Module):
     use_bias: bool = True
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         init = nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2)
-        kernel = self.param(
-            "kernel",
-            _param_init(init, ("heads", "kv", "embed")),
-            (x.shape[-2], x.shape[-1], self.features),
-            self.param_dtype,
+        names = ("heads", "kv", "embed")
+        shape = (x.shape[-2], x.shape[-1], self.features)
+        kernel, scale = _kernel(
+            self, "kernel", init, names, shape, self.param_dtype, self.quantization, in_axes=2
         )
-        y = jnp.einsum("blhk,hkd->bld", x.astype(self.dtype), kernel.astype(self.dtype))
+        y = _matmul("blhk,hkd->bld", x, kernel, scale, self.dtype, in_axes=2)
         if self.use_bias:
             bias = self.param(
                 "bias", _param_init(_zeros, ("embed",)), (self.features,), self.param_dtype
@@ -216,6 +257,9 @@ class MultiHeadAttention(nn.Module):
     ``fused_qkv=True`` projects self-attention queries, keys and values with a
     ``FusedQKVProjection`` (parameters under "qkv" instead of "query"/"key"/"value");
     cross-attention always keeps its separate projections.
+
+    ``quantization="int8"``: every projection holds an int8 kernel and its per-output-channel
+    scales (``quantize.quantize_params``) and multiplies in int8 (``quantize.int8_matmul``).
     """
 
     num_heads: int
@@ -230,6 +274,7 @@ class MultiHeadAttention(nn.Module):
     window: int | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    quantization: str | None = None
 
     def _project(self, x: Array, heads: int, name: str) -> Array:
         """`[batch, len, features]` -> `[batch, len, heads, head_dim]`."""
@@ -240,6 +285,7 @@ class MultiHeadAttention(nn.Module):
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            quantization=self.quantization,
             name=name,
         )(x)
 
@@ -253,6 +299,7 @@ class MultiHeadAttention(nn.Module):
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            quantization=self.quantization,
             name="qkv",
         )(x)
 
@@ -391,6 +438,7 @@ class MultiHeadAttention(nn.Module):
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            quantization=self.quantization,
             name="out",
         )(out)
 
@@ -572,7 +620,7 @@ class MlpBlock(nn.Module):
     "relu" is the paper's max(0, xW1 + b1)W2 + b2; "gelu" swaps the non-linearity; "swiglu" and
     "geglu" are the gated variants act(xW_gate) * (xW_up) W_down (Shazeer 2020). The names are
     ``activations.ACTIVATIONS``. No dropout inside: the paper's residual dropout follows the
-    block (``residual``).
+    block (``residual``). ``quantization="int8"``: ``Int8Dense`` layers instead of ``nn.Dense``.
     """
 
     d_ff: int
@@ -580,10 +628,13 @@ class MlpBlock(nn.Module):
     use_bias: bool = True
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        def dense(features: int, names: tuple[str, str], name: str) -> nn.Dense:
+        def dense(features: int, names: tuple[str, str], name: str) -> nn.Module:
+            if self.quantization is not None:
+                return Int8Dense(features, names, self.use_bias, self.dtype, name=name)
             return nn.Dense(
                 features,
                 use_bias=self.use_bias,
@@ -604,12 +655,38 @@ class MlpBlock(nn.Module):
         return dense(x.shape[-1], ("mlp", "embed"), "wo")(h)
 
 
+class Int8Dense(nn.Module):
+    """``nn.Dense`` with an int8 kernel: `[..., in]` -> `[..., features]`.
+
+    Parameters as ``nn.Dense``'s (``kernel`` `[in, features]`, int8 here, and ``bias``) plus
+    ``kernel_scale`` `[features]`; ``names``: the kernel's logical axes.
+    """
+
+    features: int
+    names: tuple[str, str]
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        shape = (x.shape[-1], self.features)
+        kernel, scale = _kernel(self, "kernel", _zeros, self.names, shape, jnp.int8, "int8")
+        y = int8_matmul(x, kernel, scale).astype(self.dtype)
+        if self.use_bias:
+            bias = self.param("bias", _param_init(_zeros, self.names[1:]), (self.features,))
+            y = y + bias.astype(self.dtype)
+        return y
+
+
 class Embed(nn.Module):
     """Token embedding `[vocab, features]` with ``attend`` for tied pre-softmax logits.
 
     Initialised N(0, features^-1/2): multiplied by sqrt(features) on lookup (the paper's scaling),
     the embedded tokens have unit variance, the scale of the sinusoids they are added to.
     ``scale=False`` looks tokens up unscaled (Marian models with ``scale_embedding=False``).
+    ``int8_attend``: ``attend`` multiplies in int8 by ``attend_kernel`` int8 `[features, vocab]`
+    (the table transposed, quantized per vocabulary entry, with ``attend_kernel_scale``
+    `[vocab]`; ``quantize.quantize_params``), while lookups keep reading the float table.
     """
 
     num_embeddings: int
@@ -617,6 +694,7 @@ class Embed(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     scale: bool = True
+    int8_attend: bool = False
 
     def setup(self) -> None:
         self.embedding = self.param(
@@ -625,6 +703,11 @@ class Embed(nn.Module):
             (self.num_embeddings, self.features),
             self.param_dtype,
         )
+        if self.int8_attend:
+            shape = (self.features, self.num_embeddings)
+            self.attend_kernel, self.attend_scale = _kernel(
+                self, "attend_kernel", _zeros, ("embed", "vocab"), shape, jnp.int8, "int8"
+            )
 
     def __call__(self, tokens: Array) -> Array:
         """int `[batch, length]` -> `[batch, length, features]`, scaled by sqrt(features)
@@ -635,6 +718,8 @@ class Embed(nn.Module):
 
     def attend(self, x: Array) -> Array:
         """`[batch, length, features]` -> logits `[batch, length, vocab]` (x times table^T)."""
+        if self.int8_attend:
+            return int8_matmul(x, self.attend_kernel, self.attend_scale).astype(self.dtype)
         table = jnp.asarray(self.embedding, self.dtype)
         return tied_logits(x.astype(self.dtype), table)
 
@@ -713,6 +798,7 @@ def _attention(
         window=window,
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
+        quantization=config.quantization,
         name=name,
     )
 
@@ -747,6 +833,7 @@ def _mlp(config: TransformerConfig) -> MlpBlock:
         use_bias=config.use_bias,
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
+        quantization=config.quantization,
         name="mlp",
     )
 

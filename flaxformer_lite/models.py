@@ -50,6 +50,7 @@ from flaxformer_lite.layers import (
     DecoderLayer,
     Embed,
     EncoderLayer,
+    Int8Dense,
     make_norm,
     ring_key_positions,
 )
@@ -454,6 +455,8 @@ class Decoder(nn.Module):
             x = make_norm(cfg, "final_norm")(x)
         if cfg.tie_output_embedding:
             logits = self.embedding.attend(x)
+        elif cfg.quantization is not None:
+            logits = Int8Dense(cfg.output_vocab_size, ("embed", "vocab"), False, name="logits")(x)
         else:
             logits = nn.DenseGeneral(
                 cfg.output_vocab_size,
@@ -510,13 +513,18 @@ def _relative_bias(config: TransformerConfig, *, bidirectional: bool) -> nn.Modu
     )
 
 
-def _embedding(config: TransformerConfig, vocab_size: int, name: str) -> Embed:
+def _embedding(
+    config: TransformerConfig, vocab_size: int, name: str, *, attends: bool = False
+) -> Embed:
+    """attends: the table also gives the output logits (a quantized model then keeps an int8
+    copy for them; see ``Embed.int8_attend``)."""
     return Embed(
         vocab_size,
         config.d_model,
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
         scale=config.scale_embeddings,
+        int8_attend=attends and config.tie_output_embedding and config.quantization is not None,
         name=name,
     )
 
@@ -535,11 +543,12 @@ class EncoderDecoder(nn.Module):
 
     def setup(self) -> None:
         cfg = self.config
-        source = _embedding(cfg, cfg.vocab_size, "source_embedding")
+        shared = cfg.share_embeddings
+        source = _embedding(cfg, cfg.vocab_size, "source_embedding", attends=shared)
         target = (
             source
-            if cfg.share_embeddings
-            else _embedding(cfg, cfg.output_vocab_size, "target_embedding")
+            if shared
+            else _embedding(cfg, cfg.output_vocab_size, "target_embedding", attends=True)
         )
         self.encoder = Encoder(cfg, source)
         self.decoder = Decoder(cfg, target)
@@ -646,7 +655,7 @@ class DecoderOnly(nn.Module):
     def setup(self) -> None:
         self.decoder = Decoder(
             self.config,
-            _embedding(self.config, self.config.vocab_size, "embedding"),
+            _embedding(self.config, self.config.vocab_size, "embedding", attends=True),
             cross_attention=False,
         )
 
@@ -707,6 +716,11 @@ class EncoderClassifier(nn.Module):
     @nn.compact
     def __call__(self, inputs: Array, *, deterministic: bool = True) -> Array:
         cfg = self.config
+        if cfg.quantization is not None:
+            raise ValueError(
+                f"EncoderClassifier does not support quantization={cfg.quantization!r} "
+                "(int8 inference is for EncoderDecoder and DecoderOnly)"
+            )
         check_tokens("inputs", inputs, cfg)
         encoded = Encoder(cfg, _embedding(cfg, cfg.vocab_size, "embedding"), name="encoder")(
             inputs, deterministic=deterministic

@@ -165,6 +165,12 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top_k", type=int, default=0, help="sampling: keep the k best (0: off)")
     parser.add_argument("--top_p", type=float, default=1.0, help="sampling: nucleus mass")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--quantize",
+        choices=["int8"],
+        default=None,
+        help="int8: decode with int8 weights and activations (default: float)",
+    )
 
 
 def decoding_kwargs(args: argparse.Namespace) -> dict:
@@ -201,7 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain_warnings()
 
     try:
-        translator = Translator.from_pretrained(args.workdir, step=args.step, average=args.average)
+        translator = Translator.from_pretrained(
+            args.workdir, step=args.step, average=args.average, quantize=args.quantize
+        )
         sentences = read_lines(args.input)
         outputs = translator.translate(
             sentences, progress=args.input not in (None, "-"), **decoding_kwargs(args)

@@ -1,0 +1,127 @@
+"""Int8 inference: int8 weights with per-output-channel scales, int8 x int8 -> int32 matmuls.
+
+The scheme is CTranslate2's ``int8``: every weight matrix `[in..., out...]` is stored as int8
+``q`` with one float32 scale per output channel ``s = max|w[:, c]| / 127`` (``w ~ q * s``,
+round to nearest, so ``|w - q * s| <= s / 2``). At run time each activation row is quantized
+the same way (dynamic, per row: ``x ~ p * r``), the int8 dot accumulates exactly in int32 and
+the result is rescaled: ``y[i, c] = (p @ q)[i, c] * r[i] * s[c]``.
+
+Quantized: the attention projections (query/key/value or fused, output), the feed-forward
+``wi``/``wi_up``/``wo`` and the output projection (the untied ``logits`` kernel, or for a tied
+embedding an int8 copy of the table transposed, ``attend_kernel`` `[embed, vocab]`, beside the
+float table that token lookups keep reading). Embedding lookups, norms, biases, position tables
+and mixture-of-experts blocks stay float.
+
+    params_q = quantize_params(params, config)    # a float model's parameter tree
+    config_q = config.replace(quantization="int8")
+    logits = EncoderDecoder(config_q).apply({"params": params_q}, inputs, targets)
+
+``quantize_params`` is a pure function of the tree: the quantized tree has exactly the names,
+shapes and dtypes that ``init`` of the model under ``config_q`` gives (``param_shardings``
+places it with the same logical axes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+QUANTIZATIONS = (None, "int8")
+SCALE_SUFFIX = "_scale"
+# Parent module name -> how many leading kernel axes are contracted (the input axes).
+_IN_AXES = {"query": 1, "key": 1, "value": 1, "qkv": 1, "out": 2, "logits": 1}
+_IN_AXES.update(wi=1, wi_up=1, wo=1)
+_KERNELS = ("kernel", "query_kernel", "kv_kernel")
+
+
+def check_quantization(value: Any, name: str = "quantization") -> None:
+    """Raises ValueError unless ``value`` is one of ``QUANTIZATIONS``."""
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"{name} must be one of {QUANTIZATIONS}; got {value!r}")
+
+
+def quantize_weight(w: Any, in_axes: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 quantization of ``w`` `[in..., out...]` per output channel.
+
+    The first ``in_axes`` axes are the contracted (input) ones: each output channel gets the
+    scale ``max|w|`` over them / 127 (1 for an all-zero channel). Returns int8 ``q`` (shape of
+    ``w``, values in [-127, 127]) and float32 ``scale`` `[out...]` with
+    ``|w - q * scale| <= scale / 2`` elementwise.
+    """
+    w = np.asarray(w, np.float32)
+    absmax = np.abs(w).max(axis=tuple(range(in_axes)))
+    scale = np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def quantize_rows(x: Array) -> tuple[Array, Array]:
+    """Dynamic int8 quantization of activations `[rows, k]`: int8 `[rows, k]` and float32
+    scales `[rows, 1]` (a row's absmax / 127; rows of zeros get scale 1)."""
+    absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
+def int8_matmul(x: Array, q: Array, scale: Array, in_axes: int = 1) -> Array:
+    """``x`` float `[..., in...]` times int8 ``q`` `[in..., out...]` with per-output-channel
+    ``scale`` `[out...]` -> float32 `[..., out...]`.
+
+    The last ``in_axes`` axes of ``x`` are contracted with the first ``in_axes`` of ``q``.
+    Each row of ``x`` is quantized to int8 (``quantize_rows``), multiplied exactly in int32,
+    then rescaled by its row scale and the channel scales.
+    """
+    in_shape, out_shape = q.shape[:in_axes], q.shape[in_axes:]
+    if x.shape[x.ndim - in_axes :] != in_shape:
+        raise ValueError(f"x {x.shape} does not end in the kernel's input axes {in_shape}")
+    batch = x.shape[: x.ndim - in_axes]
+    k, n = int(np.prod(in_shape)), int(np.prod(out_shape))
+    xq, row_scale = quantize_rows(x.reshape(-1, k).astype(jnp.float32))
+    acc = jax.lax.dot_general(
+        xq, q.reshape(k, n), (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+    )
+    y = acc.astype(jnp.float32) * row_scale * scale.reshape(1, n).astype(jnp.float32)
+    return y.reshape(*batch, *out_shape)
+
+
+def quantize_params(params: Any, config: Any) -> Any:
+    """The int8 parameter tree of a float model's ``params`` (nested dicts, unboxed) for the
+    ``TransformerConfig`` ``config`` it was built with (an ``EncoderDecoder`` or a
+    ``DecoderOnly``).
+
+    Every quantized kernel (see the module docstring) becomes int8 with a ``<name>_scale``
+    sibling `[out...]`; with ``config.tie_output_embedding`` the embedding that gives the logits
+    (``target_embedding``, else the shared ``source_embedding``, else a decoder-only model's
+    ``embedding``) gains ``attend_kernel`` int8 `[embed, vocab]` and ``attend_kernel_scale``
+    `[vocab]`; everything else is returned unchanged. A scanned (``scan_layers``) tree is
+    refused: unroll it first (``models.unrolled``, as ``generate`` and the translator do).
+    """
+    if config.scan_layers:
+        raise ValueError(
+            "quantize_params takes an unrolled model; convert a scan_layers model with "
+            "models.unrolled first"
+        )
+    out = _quantize(params, parent="")
+    if config.tie_output_embedding:
+        name = next(n for n in ("target_embedding", "source_embedding", "embedding") if n in out)
+        table = np.asarray(out[name]["embedding"], np.float32)  # [vocab, embed]
+        kernel, scale = quantize_weight(table.T)
+        out[name] = {**out[name], "attend_kernel": kernel, "attend_kernel" + SCALE_SUFFIX: scale}
+    return out
+
+
+def _quantize(tree: Any, parent: str) -> Any:
+    out = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            out[name] = _quantize(value, name)
+        elif name in _KERNELS and parent in _IN_AXES:
+            out[name], out[name + SCALE_SUFFIX] = quantize_weight(value, _IN_AXES[parent])
+        else:
+            out[name] = value
+    return out
