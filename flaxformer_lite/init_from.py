@@ -11,6 +11,13 @@ one whose shape differs only in its first axis (a vocabulary that grew or shrank
 rows, logits bias) gets the overlapping rows copied and keeps its fresh initialisation for the
 rest; one the pretrained model lacks (a new head) keeps its initialisation; a pretrained one
 the model lacks is dropped. Every case is counted in the message ``restore_into`` returns.
+
+Fine-tuning keeps the pretrained architecture. Every ``TransformerConfig`` field is in exactly
+one of three groups: :data:`ARCHITECTURE_FIELDS` (they decide the parameter tree or the function
+the same parameters compute: ``config.model`` may repeat the pretrained value, never change it;
+``check_overrides`` refuses it, through preflight before any work), :data:`TRAINING_FIELDS` (how
+the same function is trained, stored or executed: ``config.model`` may change them) and
+:data:`DATA_FIELDS` (the fine-tuning data's vocabulary decides them).
 """
 
 from __future__ import annotations
@@ -24,6 +31,26 @@ import numpy as np
 from flaxformer_lite import paths
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.optim import param_path
+
+# Fields that decide the parameter tree (structure, shapes) or the function the same parameters
+# compute. Fine-tuning keeps the pretrained values.
+ARCHITECTURE_FIELDS = (
+    "d_model num_heads num_kv_heads d_ff num_encoder_layers num_decoder_layers max_len activation"
+    " norm_position norm_type layer_norm_epsilon position sinusoid_layout scale_embeddings"
+    " share_embeddings tie_output_embedding logits_bias use_bias fused_qkv num_classes pooling"
+    " num_experts num_experts_per_token moe_every attention_window attention_window_layers"
+    " relative_num_buckets relative_max_distance head_dim quantization"
+).split()
+# Fields of training, storage or execution: the same parameters compute the same function
+# (up to the precision of dtype / param_dtype) whatever their values, and evaluation and
+# decoding ignore the training-only ones (dropout, expert capacity, auxiliary loss weights).
+TRAINING_FIELDS = (
+    "dropout_rate attention_dropout_rate dtype param_dtype attention_implementation remat"
+    " scan_layers expert_capacity_factor moe_aux_loss_weight router_z_loss_weight"
+).split()
+# Fields the fine-tuning data's vocabulary decides (train.model_config): its sizes (a grown or
+# shrunk vocabulary is partially restored) and its special ids.
+DATA_FIELDS = ("vocab_size", "target_vocab_size", "pad_id", "bos_id", "eos_id", "unk_id")
 
 
 def is_workdir(source: str) -> bool:
@@ -69,30 +96,62 @@ def pretrained_params(source: str) -> dict[str, Any]:
     return hf.load_pretrained(source)[1]
 
 
+def pretrained_model(source: str) -> str:
+    """The model class a pretrained ``source`` trained: ``"DecoderOnly"`` for a language-model
+    workdir, ``"EncoderClassifier"`` for a classification one, else ``"EncoderDecoder"``
+    (translation and synthetic workdirs, Hugging Face Marian)."""
+    if is_workdir(source):
+        run = paths.resolve(source) / "config.json"
+        task = json.loads(run.read_text()).get("task") if run.is_file() else None
+        return {"lm": "DecoderOnly", "classification": "EncoderClassifier"}.get(
+            task, "EncoderDecoder"
+        )
+    return "EncoderDecoder"
+
+
+def same_architecture(a: TransformerConfig, b: TransformerConfig) -> bool:
+    """Whether ``a`` and ``b`` agree in every field of :data:`ARCHITECTURE_FIELDS`."""
+    return all(getattr(a, k) == getattr(b, k) for k in ARCHITECTURE_FIELDS)
+
+
+def check_overrides(
+    source: str, overrides: dict[str, Any], base: TransformerConfig | None = None
+) -> TransformerConfig:
+    """The pretrained config of ``source`` (``base`` if given) after checking that the run's
+    ``config.model`` ``overrides`` keep its architecture.
+
+    Raises:
+      ValueError: an override of an :data:`ARCHITECTURE_FIELDS` field differs from the
+        pretrained value, naming the field, both values and the fields that may change.
+    """
+    base = pretrained_config(source) if base is None else base
+    changed = [
+        k for k in ARCHITECTURE_FIELDS if k in overrides and overrides[k] != getattr(base, k)
+    ]
+    if changed:
+        listed = ", ".join(
+            f"config.model.{k}={overrides[k]!r} (pretrained {k}={getattr(base, k)!r})"
+            for k in changed
+        )
+        raise ValueError(
+            f"{listed}: fine-tuning from config.init_from={source!r} keeps the pretrained "
+            f"architecture; drop {', '.join(changed)} from config.model (it may change only "
+            f"{', '.join(TRAINING_FIELDS)})"
+        )
+    return base
+
+
 def model_fields(source: str, overrides: dict[str, Any], data_fields: dict[str, Any]):
     """The fine-tuned model's ``TransformerConfig``: the pretrained one, with the vocabulary
     sizes and special ids the data decided (``data_fields``) and the run's ``config.model``
-    ``overrides`` (dropout, dtype, remat ...).
+    ``overrides`` (dropout, dtype, remat, scan_layers ...).
 
     Raises:
-      ValueError: an override changes the architecture (a field that decides parameter
-        shapes), naming it.
+      ValueError: an override changes the architecture (``check_overrides``), naming it.
     """
-    base = pretrained_config(source)
-    shape_fields = (
-        "d_model num_heads num_kv_heads d_ff num_encoder_layers num_decoder_layers activation"
-        " norm_position norm_type position sinusoid_layout share_embeddings"
-        " tie_output_embedding logits_bias use_bias fused_qkv max_len"
-    ).split()
-    changed = [k for k in shape_fields if k in overrides and overrides[k] != getattr(base, k, None)]
-    if changed:
-        raise ValueError(
-            f"config.model sets {changed} differently from the pretrained model "
-            f"{source!r} ({', '.join(f'{k}={getattr(base, k)!r}' for k in changed)}); "
-            "fine-tuning keeps its architecture: drop them from config.model"
-        )
+    base = check_overrides(source, overrides)
     fields = base.to_dict()
-    fields.update({k: v for k, v in overrides.items() if k not in shape_fields})
+    fields.update({k: v for k, v in overrides.items() if k not in ARCHITECTURE_FIELDS})
     fields.update(data_fields)
     # Separate vocabularies that happen to be the same size keep the pretrained choice.
     if base.share_embeddings and fields.get("target_vocab_size") in (None, fields["vocab_size"]):
