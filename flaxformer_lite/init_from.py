@@ -12,6 +12,10 @@ rows, logits bias) gets the overlapping rows copied and keeps its fresh initiali
 rest; one the pretrained model lacks (a new head) keeps its initialisation; a pretrained one
 the model lacks is dropped. Every case is counted in the message ``restore_into`` returns.
 
+The layer layout may differ: either side may be unrolled (``layers_0`` ... ``layers_{N-1}``) or
+``scan_layers`` (one ``layers`` subtree stacked on a leading axis `[N, ...]`); ``restore_into``
+unstacks the pretrained tree and stacks layer i into row i where the model scans.
+
 Fine-tuning keeps the pretrained architecture. Every ``TransformerConfig`` field is in exactly
 one of three groups: :data:`ARCHITECTURE_FIELDS` (they decide the parameter tree or the function
 the same parameters compute: ``config.model`` may repeat the pretrained value, never change it;
@@ -160,25 +164,68 @@ def model_fields(source: str, overrides: dict[str, Any], data_fields: dict[str, 
     return TransformerConfig(**fields)
 
 
-def restore_into(params: Any, pretrained: dict[str, Any]) -> tuple[Any, str]:
+def _layer_names(name: str, num_layers: int) -> list[str] | None:
+    """The unrolled names of the rows of a scanned parameter ``.../layers/...`` (``layers_i``
+    for i < ``num_layers``); None for a parameter outside a scanned stack."""
+    parts = name.split("/")
+    if "layers" not in parts:
+        return None
+    k = parts.index("layers")
+    return ["/".join([*parts[:k], f"layers_{i}", *parts[k + 1 :]]) for i in range(num_layers)]
+
+
+def restore_into(
+    params: Any, pretrained: dict[str, Any], *, same_architecture: bool = False
+) -> tuple[Any, str]:
     """``params`` (initialised; boxed or plain) with the pretrained values copied in, and a
-    one-line summary of what was restored, partially restored, new or dropped."""
+    one-line summary of what was restored, partially restored, new or dropped.
+
+    Either tree may have unrolled layers (``layers_i``) or scanned ones (``layers``, stacked
+    `[num_layers, ...]`): the pretrained tree is unstacked, and a scanned parameter of
+    ``params`` gets row i from the pretrained ``layers_i`` (all of its layers, or an error).
+    ``same_architecture``: the pretrained model is the same model class with the same
+    :data:`ARCHITECTURE_FIELDS`, so every parameter should be restored; then a newly
+    initialised one starts the summary with ``WARNING:`` and is listed in full.
+
+    Raises:
+      ValueError: a pretrained parameter's shape differs in more than the first
+        (vocabulary) axis, or a pretrained stack has some but not all of a scanned stack's
+        layers.
+    """
+    from flaxformer_lite.models import unstack_layers
+
     flat = {
         param_path(path): np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(pretrained)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(unstack_layers(pretrained))
     }
     seen: set[str] = set()
     counts = {"restored": 0, "partially restored": 0, "newly initialised": 0}
     partial, new = [], []
 
+    def source_of(name: str, leaf: Any) -> np.ndarray | None:
+        rows = _layer_names(name, leaf.shape[0]) if leaf.ndim else None
+        if rows is None or name in flat:
+            if name in flat:
+                seen.add(name)
+            return flat.get(name)
+        present = [r for r in rows if r in flat]
+        if not present:
+            return None
+        if len(present) < len(rows):
+            raise ValueError(
+                f"the model's scanned {name} has {len(rows)} layers; the pretrained model has "
+                f"{len(present)} of them ({present[:3]}...): a layer count must match"
+            )
+        seen.update(rows)
+        return np.stack([flat[r] for r in rows])
+
     def take(path, leaf):
         name = param_path(path)
-        source = flat.get(name)
+        source = source_of(name, leaf)
         if source is None:
             counts["newly initialised"] += 1
             new.append(name)
             return leaf
-        seen.add(name)
         if source.shape == leaf.shape:
             counts["restored"] += 1
             return jax.numpy.asarray(source, leaf.dtype)
@@ -195,6 +242,14 @@ def restore_into(params: Any, pretrained: dict[str, Any]) -> tuple[Any, str]:
     out = jax.tree_util.tree_map_with_path(take, params)
     dropped = sorted(set(flat) - seen)
     summary = ", ".join(f"{v} {k}" for k, v in counts.items()) + f", {len(dropped)} dropped"
-    details = [f"partial: {partial}" if partial else "", f"new: {new[:8]}" if new else ""]
+    warn = same_architecture and bool(new)
+    details = [f"partial: {partial}" if partial else ""]
+    details.append(f"new: {new if warn else new[:8]}" if new else "")
     details.append(f"dropped: {dropped[:8]}" if dropped else "")
-    return out, "; ".join([summary, *[d for d in details if d]])
+    line = "; ".join([summary, *[d for d in details if d]])
+    if warn:
+        line = (
+            f"WARNING: {len(new)} parameters newly initialised (random) although the pretrained "
+            f"model has the same architecture, so every one should have been restored; {line}"
+        )
+    return out, line

@@ -107,6 +107,44 @@ def sources(tmp_path_factory) -> dict[bool, Path]:
     return out
 
 
+@pytest.mark.parametrize("target_scanned", [True, False], ids=["to_scanned", "to_unrolled"])
+@pytest.mark.parametrize("source_scanned", [True, False], ids=["scanned", "unrolled"])
+def test_every_parameter_is_restored_across_layer_layouts(
+    sources, source_scanned, target_scanned, tmp_path, capsys
+):
+    source = sources[source_scanned]
+    source_flat = flatten(checkpoint_params(source))
+    layered = [n for n in source_flat if ("/layers/" if source_scanned else "/layers_1/") in n]
+    assert len(layered) >= 20  # the source really has the layout under test
+    config = tiny_config(seed=1, scan_layers=target_scanned)
+    config.init_from = str(source)
+    config.freeze = (".*",)  # one step with zero updates: the checkpoint is the restore
+    train.train_and_evaluate(config, str(tmp_path / "run"), stop_at=1)
+    out = capsys.readouterr()
+    line = next(x for x in out.out.splitlines() if x.startswith(f"init_from {source}"))
+    assert ", 0 newly initialised, 0 dropped" in line and "WARNING" not in out.err, line
+
+    got = flatten(checkpoint_params(tmp_path / "run"))
+    expected = relayout(source_flat, target_scanned)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_a_newly_initialised_parameter_of_the_same_architecture_is_a_warning():
+    fresh = {"layers": {"w": np.zeros((2, 3), np.float32)}, "head": np.zeros(3, np.float32)}
+    pretrained = {"layers_0": {"w": np.ones(3)}, "layers_1": {"w": np.full(3, 2.0)}}
+    params = jax.tree_util.tree_map(jax.numpy.asarray, fresh)
+    out, summary = init_from.restore_into(params, pretrained, same_architecture=True)
+    np.testing.assert_array_equal(np.asarray(out["layers"]["w"]), [[1, 1, 1], [2, 2, 2]])
+    assert summary.startswith("WARNING: 1 parameters newly initialised") and "head" in summary
+    _, summary = init_from.restore_into(params, pretrained)  # another model: a new head is fine
+    assert not summary.startswith("WARNING") and "1 newly initialised" in summary
+    with pytest.raises(ValueError, match=r"scanned layers/w has 2 layers.*1 of them"):
+        init_from.restore_into(params, {"layers_0": {"w": np.ones(3)}})
+
+
 def test_every_config_field_is_classified_for_fine_tuning():
     """A new TransformerConfig field must be put in exactly one group of init_from."""
     groups = {
