@@ -145,6 +145,40 @@ def test_a_newly_initialised_parameter_of_the_same_architecture_is_a_warning():
         init_from.restore_into(params, {"layers_0": {"w": np.ones(3)}})
 
 
+def test_train_warns_on_stderr_when_a_same_architecture_fine_tune_initialises_anything(
+    sources, tmp_path, monkeypatch, capsys
+):
+    """A pretrained parameter that goes missing (a naming or layout mismatch) is a WARNING on
+    stderr naming it; the run is stopped right after the restore (no train step compiled)."""
+    source = sources[False]
+    real = init_from.pretrained_params
+    victim = next(n for n in flatten(real(str(source))) if n.startswith("decoder/layers_1/"))
+
+    def missing_one(src):
+        params = real(src)
+        *parents, leaf = victim.split("/")
+        node = params
+        for key in parents:
+            node = node[key]
+        del node[leaf]
+        return params
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(init_from, "pretrained_params", missing_one)
+    monkeypatch.setattr(train, "jit_train_step", stop)
+    config = tiny_config(seed=1)
+    config.init_from = str(source)
+    with pytest.raises(Stop):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert "WARNING: 1 parameters newly initialised" in err and victim in err, err
+
+
 def test_every_config_field_is_classified_for_fine_tuning():
     """A new TransformerConfig field must be put in exactly one group of init_from."""
     groups = {
