@@ -194,6 +194,53 @@ def test_every_config_field_is_classified_for_fine_tuning():
     assert sum(map(len, groups.values())) == len(fields)  # no duplicates within a group
 
 
+# A value other than the default for every training field (the test below checks the keys).
+TRAINING_ALTERNATIVES = dict(
+    dropout_rate=0.3, attention_dropout_rate=0.2, dtype="bfloat16", param_dtype="bfloat16",
+    attention_implementation="blockwise", remat=True, scan_layers=True,
+    expert_capacity_factor=None, moe_aux_loss_weight=0.5, router_z_loss_weight=0.5,
+)  # fmt: skip
+
+
+def parameter_shapes(config: TransformerConfig) -> dict[str, tuple]:
+    """Every parameter's shape in the unrolled layout (a scanned ``layers`` leaf `[N, ...]`
+    counted as N ``layers_i`` leaves of its row shape), from ``eval_shape`` (nothing runs)."""
+    import flax.linen as nn
+
+    from flaxformer_lite import EncoderDecoder
+
+    tokens = jax.numpy.ones((1, 4), jax.numpy.int32)
+    abstract = jax.eval_shape(
+        lambda: EncoderDecoder(config).init(jax.random.key(0), tokens, tokens)["params"]
+    )
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(abstract)):
+        parts = [str(k.key) for k in path if hasattr(k, "key")]
+        if "layers" in parts:
+            k = parts.index("layers")
+            for i in range(leaf.shape[0]):
+                out["/".join([*parts[:k], f"layers_{i}", *parts[k + 1 :]])] = leaf.shape[1:]
+        else:
+            out["/".join(parts)] = leaf.shape
+    return out
+
+
+def test_a_training_field_leaves_the_parameter_tree_alone():
+    """What the classification promises for the fields config.model may change on fine-tune:
+    the pretrained tree (paths and shapes, layout aside) fits the model whatever their values
+    (in a mixture-of-experts model, where the expert fields matter)."""
+    assert sorted(TRAINING_ALTERNATIVES) == sorted(init_from.TRAINING_FIELDS)
+    base = TransformerConfig(vocab_size=12, max_len=8, **TINY_MODEL, num_experts=2)
+    expected = parameter_shapes(base)
+    assert any("/layers_1/" in n for n in expected) and any("/moe/router" in n for n in expected)
+    for field, value in TRAINING_ALTERNATIVES.items():
+        assert value != getattr(base, field), field
+        changed = base.replace(**{field: value})
+        if field == "attention_implementation":  # blockwise has no attention dropout
+            changed = changed.replace(attention_dropout_rate=0.0)
+        assert parameter_shapes(changed) == expected, field
+
+
 # A valid value other than the tiny source's for every architecture field (a new architecture
 # field needs one here: the test below checks the keys).
 ALTERNATIVES = dict(
