@@ -19,6 +19,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -724,11 +725,19 @@ def train_and_evaluate(
         if config.get("init_from"):
             log(f"init_from {config.init_from} ignored: the run resumes from its own checkpoint")
     elif config.get("init_from"):
+        # Same model class and architecture: every parameter must be restored, and one that
+        # is not (a naming or layout mismatch) is reported loudly.
+        same = (
+            init_from.same_architecture(init_from.pretrained_config(config.init_from), cfg)
+            and init_from.pretrained_model(config.init_from) == type(model).__name__
+        )
         params, summary = init_from.restore_into(
-            state.params, init_from.pretrained_params(config.init_from)
+            state.params, init_from.pretrained_params(config.init_from), same_architecture=same
         )
         state = state.replace(params=jax.device_put(params, state_shardings.params))
         log(f"init_from {config.init_from}: {summary}")
+        if summary.startswith("WARNING") and is_main:
+            print(f"init_from {config.init_from}: {summary}", file=sys.stderr, flush=True)
     if config.get("freeze"):
         labels = jax.tree_util.tree_leaves(optim.freeze_labels(state.params, config.freeze))
         sizes = [int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(state.params)]

@@ -7,7 +7,9 @@
 ``init_from`` is a Hugging Face Marian folder or hub id (or another train.py workdir): the
 model takes its architecture and weights (flaxformer_lite/init_from.py), the data its
 tokenizer (copied into the workdir: source.spm, target.spm, vocab.json), so nothing is
-trained from scratch. ``config.model`` may change dropout and precision, not the shapes.
+trained from scratch. ``config.model`` may change only the training fields
+(``init_from.TRAINING_FIELDS``: dropout, precision, remat, scan_layers ...); an architecture
+field set to another value than the pretrained one is refused by name before any work.
 ``freeze`` names parameters to keep as they are, by regular expressions over their paths,
 e.g. ``--config.freeze='("encoder/.*", "source_embedding/.*")'`` to train the decoder only.
 Decoding follows Hugging Face's rules for these models (beam 4, length penalty 1.0, EOS
@@ -44,7 +46,7 @@ def get_config():
     c.packing = False
     c.tokens_per_batch = 2048
     c.batch_size_multiple = 8
-    # Only regularisation and precision may differ from the pretrained model.
+    # Only training fields (init_from.TRAINING_FIELDS) may differ from the pretrained model.
     c.model = dict(dropout_rate=0.1)
     # A gentle constant rate after a short warmup: the weights are already good.
     c.optimizer = "adam"

@@ -11,6 +11,17 @@ one whose shape differs only in its first axis (a vocabulary that grew or shrank
 rows, logits bias) gets the overlapping rows copied and keeps its fresh initialisation for the
 rest; one the pretrained model lacks (a new head) keeps its initialisation; a pretrained one
 the model lacks is dropped. Every case is counted in the message ``restore_into`` returns.
+
+The layer layout may differ: either side may be unrolled (``layers_0`` ... ``layers_{N-1}``) or
+``scan_layers`` (one ``layers`` subtree stacked on a leading axis `[N, ...]`); ``restore_into``
+unstacks the pretrained tree and stacks layer i into row i where the model scans.
+
+Fine-tuning keeps the pretrained architecture. Every ``TransformerConfig`` field is in exactly
+one of three groups: :data:`ARCHITECTURE_FIELDS` (they decide the parameter tree or the function
+the same parameters compute: ``config.model`` may repeat the pretrained value, never change it;
+``check_overrides`` refuses it, through preflight before any work), :data:`TRAINING_FIELDS` (how
+the same function is trained, stored or executed: ``config.model`` may change them) and
+:data:`DATA_FIELDS` (the fine-tuning data's vocabulary decides them).
 """
 
 from __future__ import annotations
@@ -24,6 +35,26 @@ import numpy as np
 from flaxformer_lite import paths
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.optim import param_path
+
+# Fields that decide the parameter tree (structure, shapes) or the function the same parameters
+# compute. Fine-tuning keeps the pretrained values.
+ARCHITECTURE_FIELDS = (
+    "d_model num_heads num_kv_heads d_ff num_encoder_layers num_decoder_layers max_len activation"
+    " norm_position norm_type layer_norm_epsilon position sinusoid_layout scale_embeddings"
+    " share_embeddings tie_output_embedding logits_bias use_bias fused_qkv num_classes pooling"
+    " num_experts num_experts_per_token moe_every attention_window attention_window_layers"
+    " relative_num_buckets relative_max_distance head_dim quantization"
+).split()
+# Fields of training, storage or execution: the same parameters compute the same function
+# (up to the precision of dtype / param_dtype) whatever their values, and evaluation and
+# decoding ignore the training-only ones (dropout, expert capacity, auxiliary loss weights).
+TRAINING_FIELDS = (
+    "dropout_rate attention_dropout_rate dtype param_dtype attention_implementation remat"
+    " scan_layers expert_capacity_factor moe_aux_loss_weight router_z_loss_weight"
+).split()
+# Fields the fine-tuning data's vocabulary decides (train.model_config): its sizes (a grown or
+# shrunk vocabulary is partially restored) and its special ids.
+DATA_FIELDS = ("vocab_size", "target_vocab_size", "pad_id", "bos_id", "eos_id", "unk_id")
 
 
 def is_workdir(source: str) -> bool:
@@ -69,30 +100,62 @@ def pretrained_params(source: str) -> dict[str, Any]:
     return hf.load_pretrained(source)[1]
 
 
+def pretrained_model(source: str) -> str:
+    """The model class a pretrained ``source`` trained: ``"DecoderOnly"`` for a language-model
+    workdir, ``"EncoderClassifier"`` for a classification one, else ``"EncoderDecoder"``
+    (translation and synthetic workdirs, Hugging Face Marian)."""
+    if is_workdir(source):
+        run = paths.resolve(source) / "config.json"
+        task = json.loads(run.read_text()).get("task") if run.is_file() else None
+        return {"lm": "DecoderOnly", "classification": "EncoderClassifier"}.get(
+            task, "EncoderDecoder"
+        )
+    return "EncoderDecoder"
+
+
+def same_architecture(a: TransformerConfig, b: TransformerConfig) -> bool:
+    """Whether ``a`` and ``b`` agree in every field of :data:`ARCHITECTURE_FIELDS`."""
+    return all(getattr(a, k) == getattr(b, k) for k in ARCHITECTURE_FIELDS)
+
+
+def check_overrides(
+    source: str, overrides: dict[str, Any], base: TransformerConfig | None = None
+) -> TransformerConfig:
+    """The pretrained config of ``source`` (``base`` if given) after checking that the run's
+    ``config.model`` ``overrides`` keep its architecture.
+
+    Raises:
+      ValueError: an override of an :data:`ARCHITECTURE_FIELDS` field differs from the
+        pretrained value, naming the field, both values and the fields that may change.
+    """
+    base = pretrained_config(source) if base is None else base
+    changed = [
+        k for k in ARCHITECTURE_FIELDS if k in overrides and overrides[k] != getattr(base, k)
+    ]
+    if changed:
+        listed = ", ".join(
+            f"config.model.{k}={overrides[k]!r} (pretrained {k}={getattr(base, k)!r})"
+            for k in changed
+        )
+        raise ValueError(
+            f"{listed}: fine-tuning from config.init_from={source!r} keeps the pretrained "
+            f"architecture; drop {', '.join(changed)} from config.model (it may change only "
+            f"{', '.join(TRAINING_FIELDS)})"
+        )
+    return base
+
+
 def model_fields(source: str, overrides: dict[str, Any], data_fields: dict[str, Any]):
     """The fine-tuned model's ``TransformerConfig``: the pretrained one, with the vocabulary
     sizes and special ids the data decided (``data_fields``) and the run's ``config.model``
-    ``overrides`` (dropout, dtype, remat ...).
+    ``overrides`` (dropout, dtype, remat, scan_layers ...).
 
     Raises:
-      ValueError: an override changes the architecture (a field that decides parameter
-        shapes), naming it.
+      ValueError: an override changes the architecture (``check_overrides``), naming it.
     """
-    base = pretrained_config(source)
-    shape_fields = (
-        "d_model num_heads num_kv_heads d_ff num_encoder_layers num_decoder_layers activation"
-        " norm_position norm_type position sinusoid_layout share_embeddings"
-        " tie_output_embedding logits_bias use_bias fused_qkv max_len"
-    ).split()
-    changed = [k for k in shape_fields if k in overrides and overrides[k] != getattr(base, k, None)]
-    if changed:
-        raise ValueError(
-            f"config.model sets {changed} differently from the pretrained model "
-            f"{source!r} ({', '.join(f'{k}={getattr(base, k)!r}' for k in changed)}); "
-            "fine-tuning keeps its architecture: drop them from config.model"
-        )
+    base = check_overrides(source, overrides)
     fields = base.to_dict()
-    fields.update({k: v for k, v in overrides.items() if k not in shape_fields})
+    fields.update({k: v for k, v in overrides.items() if k not in ARCHITECTURE_FIELDS})
     fields.update(data_fields)
     # Separate vocabularies that happen to be the same size keep the pretrained choice.
     if base.share_embeddings and fields.get("target_vocab_size") in (None, fields["vocab_size"]):
@@ -101,25 +164,68 @@ def model_fields(source: str, overrides: dict[str, Any], data_fields: dict[str, 
     return TransformerConfig(**fields)
 
 
-def restore_into(params: Any, pretrained: dict[str, Any]) -> tuple[Any, str]:
+def _layer_names(name: str, num_layers: int) -> list[str] | None:
+    """The unrolled names of the rows of a scanned parameter ``.../layers/...`` (``layers_i``
+    for i < ``num_layers``); None for a parameter outside a scanned stack."""
+    parts = name.split("/")
+    if "layers" not in parts:
+        return None
+    k = parts.index("layers")
+    return ["/".join([*parts[:k], f"layers_{i}", *parts[k + 1 :]]) for i in range(num_layers)]
+
+
+def restore_into(
+    params: Any, pretrained: dict[str, Any], *, same_architecture: bool = False
+) -> tuple[Any, str]:
     """``params`` (initialised; boxed or plain) with the pretrained values copied in, and a
-    one-line summary of what was restored, partially restored, new or dropped."""
+    one-line summary of what was restored, partially restored, new or dropped.
+
+    Either tree may have unrolled layers (``layers_i``) or scanned ones (``layers``, stacked
+    `[num_layers, ...]`): the pretrained tree is unstacked, and a scanned parameter of
+    ``params`` gets row i from the pretrained ``layers_i`` (all of its layers, or an error).
+    ``same_architecture``: the pretrained model is the same model class with the same
+    :data:`ARCHITECTURE_FIELDS`, so every parameter should be restored; then a newly
+    initialised one starts the summary with ``WARNING:`` and is listed in full.
+
+    Raises:
+      ValueError: a pretrained parameter's shape differs in more than the first
+        (vocabulary) axis, or a pretrained stack has some but not all of a scanned stack's
+        layers.
+    """
+    from flaxformer_lite.models import unstack_layers
+
     flat = {
         param_path(path): np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(pretrained)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(unstack_layers(pretrained))
     }
     seen: set[str] = set()
     counts = {"restored": 0, "partially restored": 0, "newly initialised": 0}
     partial, new = [], []
 
+    def source_of(name: str, leaf: Any) -> np.ndarray | None:
+        rows = _layer_names(name, leaf.shape[0]) if leaf.ndim else None
+        if rows is None or name in flat:
+            if name in flat:
+                seen.add(name)
+            return flat.get(name)
+        present = [r for r in rows if r in flat]
+        if not present:
+            return None
+        if len(present) < len(rows):
+            raise ValueError(
+                f"the model's scanned {name} has {len(rows)} layers; the pretrained model has "
+                f"{len(present)} of them ({present[:3]}...): a layer count must match"
+            )
+        seen.update(rows)
+        return np.stack([flat[r] for r in rows])
+
     def take(path, leaf):
         name = param_path(path)
-        source = flat.get(name)
+        source = source_of(name, leaf)
         if source is None:
             counts["newly initialised"] += 1
             new.append(name)
             return leaf
-        seen.add(name)
         if source.shape == leaf.shape:
             counts["restored"] += 1
             return jax.numpy.asarray(source, leaf.dtype)
@@ -136,6 +242,14 @@ def restore_into(params: Any, pretrained: dict[str, Any]) -> tuple[Any, str]:
     out = jax.tree_util.tree_map_with_path(take, params)
     dropped = sorted(set(flat) - seen)
     summary = ", ".join(f"{v} {k}" for k, v in counts.items()) + f", {len(dropped)} dropped"
-    details = [f"partial: {partial}" if partial else "", f"new: {new[:8]}" if new else ""]
+    warn = same_architecture and bool(new)
+    details = [f"partial: {partial}" if partial else ""]
+    details.append(f"new: {new if warn else new[:8]}" if new else "")
     details.append(f"dropped: {dropped[:8]}" if dropped else "")
-    return out, "; ".join([summary, *[d for d in details if d]])
+    line = "; ".join([summary, *[d for d in details if d]])
+    if warn:
+        line = (
+            f"WARNING: {len(new)} parameters newly initialised (random) although the pretrained "
+            f"model has the same architecture, so every one should have been restored; {line}"
+        )
+    return out, line

@@ -9,6 +9,7 @@ field or argument and what would be valid:
     ``grad_accum_steps`` not dividing the batch, a ``mesh_shape`` that does not fit the devices,
     an invalid ``model`` field, ...);
   * a ``--workdir`` that is an existing file;
+  * a fine-tune (``init_from``) whose ``model`` changes a field of the pretrained architecture;
   * a resume whose config differs from the one the workdir's checkpoints were trained with
     (``config.json`` and ``model_config.json``), except in :data:`SAFE_CHANGES` or the fields
     listed in ``config.allow_changes``; and a ``num_train_steps`` below the latest saved step.
@@ -174,6 +175,7 @@ def check_run(config: Any, workdir: str, *, device_count: int | None = None) -> 
     """
     check_workdir_is_folder(workdir)
     check_config(config, device_count=device_count)
+    check_init_from_overrides(config)
     check_resume(config, workdir)
 
 
@@ -297,6 +299,21 @@ def _check_init_from(config: Any) -> None:
             re.compile(pattern)
         except (re.error, TypeError) as e:
             raise ConfigError(f"config.freeze pattern {pattern!r} is not a regex: {e}") from e
+
+
+def check_init_from_overrides(config: Any) -> None:
+    """With ``config.init_from``: its config is readable and ``config.model`` changes no field
+    of its architecture (``init_from.check_overrides``; a Hugging Face hub id is resolved,
+    which the run needs anyway)."""
+    source = config.get("init_from")
+    if not source:
+        return
+    from flaxformer_lite import init_from
+
+    try:
+        init_from.check_overrides(source, dict(config.model))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_values(config: Any, *, device_count: int | None = None) -> None:

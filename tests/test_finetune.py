@@ -60,8 +60,9 @@ def write_data(folder: Path, train_pairs, val_pairs) -> None:
         (folder / f"{split}.de").write_text("".join(f"{d}\n" for _, d in pairs))
 
 
-def pretrained_folder(folder: Path, texts: list[str]) -> Path:
-    """A Hugging Face Marian folder: tokenizer trained on ``texts``, random tiny model."""
+def pretrained_folder(folder: Path, texts: list[str], layers: int = 1) -> Path:
+    """A Hugging Face Marian folder: tokenizer trained on ``texts``, random tiny model with
+    ``layers`` encoder and decoder layers."""
     folder.mkdir(parents=True)
     for side in ("source", "target"):
         spm.SentencePieceTrainer.train(
@@ -89,8 +90,8 @@ def pretrained_folder(folder: Path, texts: list[str]) -> Path:
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     config = marian_config(
         vocab_size=len(vocab),
-        encoder_layers=1,
-        decoder_layers=1,
+        encoder_layers=layers,
+        decoder_layers=layers,
         max_position_embeddings=64,
         activation_function="swish",
         scale_embedding=True,
@@ -205,6 +206,34 @@ def test_partial_restore_copies_the_rows_a_grown_vocabulary_shares():
     assert np.all(np.asarray(out["head"]) == 1.0)
     assert "1 partially restored" in summary and "1 newly initialised" in summary
     assert "1 dropped" in summary and "emb/embedding (10 of 12 rows)" in summary
+
+
+def test_a_hugging_face_model_restores_bitwise_into_a_scanned_fine_tune(tmp_path, capsys):
+    """Marian's unrolled layers (2 + 2) stacked into the ``scan_layers`` model: every parameter
+    restored (all frozen for one step, so the checkpoint is the restore), compared with the
+    Hugging Face parameters stacked by NumPy indexing in test_init_from.relayout."""
+    from test_init_from import checkpoint_params, flatten, relayout
+
+    data = tmp_path / "data"
+    write_data(data, generated_pairs(64, 0), generated_pairs(8, 1))
+    texts = [t for pair in generated_pairs(64, 0) for t in pair]
+    pretrained = pretrained_folder(tmp_path / "pretrained", texts, layers=2)
+    config = finetune_config(pretrained, data, 2, freeze=(".*",), decode_eval=False)
+    config.model = {"dropout_rate": 0.0, "scan_layers": True}
+    train.train_and_evaluate(config, str(tmp_path / "run"), stop_at=1)
+    out = capsys.readouterr()
+    line = next(x for x in out.out.splitlines() if x.startswith(f"init_from {pretrained}"))
+    assert ", 0 newly initialised, 0 dropped" in line and "WARNING" not in out.err, line
+    assert init_from.pretrained_config(str(tmp_path / "run")).scan_layers
+
+    got = flatten(checkpoint_params(tmp_path / "run"))
+    source = flatten(hf.load_pretrained(str(pretrained))[1])
+    assert sum("/layers_1/" in n for n in source) >= 20
+    expected = relayout(source, scanned=True)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
 def test_resuming_ignores_init_from(generated_run, capsys):
