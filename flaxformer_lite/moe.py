@@ -33,6 +33,12 @@ mutable and adds to its objective; elsewhere ``sow`` does nothing):
 * router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2.
 
 Also sown: ``moe_dropped``, the fraction of assignments dropped for capacity.
+
+Routing statistics, sown into "losses" too, from which the training step forms the auxiliary
+losses of a whole batch (``routing_statistics``; sums, so micro-batches add up): per expert,
+``moe_expert_counts`` (assignments of real tokens, before capacity) and ``moe_prob_sums``
+(router probabilities summed over real tokens); ``moe_tokens`` (real tokens routed),
+``moe_z_sum`` (their logsumexp(router logits)^2 summed) and ``moe_kept`` (assignments kept).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
+from flax.core import unfreeze
 
 from flaxformer_lite.activations import ACTIVATIONS, GATED
 
@@ -138,6 +146,61 @@ def router_z_loss(router_logits: Array, valid: Array | None = None) -> Array:
     return jnp.sum(z * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
+STATISTICS = ("moe_expert_counts", "moe_prob_sums", "moe_tokens", "moe_z_sum", "moe_kept")
+
+
+def routing_statistics(losses: Any) -> dict[str, Array]:
+    """The routing statistics every ``MoeBlock`` of a model sowed into its "losses" collection
+    (``apply(..., mutable=["losses"])[1]["losses"]``), one row per mixture-of-experts layer:
+    ``moe_expert_counts`` and ``moe_prob_sums`` `[layers, experts]`, ``moe_tokens``,
+    ``moe_z_sum`` and ``moe_kept`` `[layers]` (a scanned stack gives one row per layer; the
+    order is the collection's, the same on every call of one model). {} when there are none."""
+    flat = traverse_util.flatten_dict(unfreeze(losses)) if losses else {}
+    out = {}
+    for key in STATISTICS:
+        values = [v for path, leaf in flat.items() if path[-1] == key for v in leaf]
+        if values:
+            shape = (-1, values[0].shape[-1]) if key in STATISTICS[:2] else (-1,)
+            out[key] = jnp.concatenate([jnp.reshape(v, shape) for v in values])
+    return out
+
+
+def batch_auxiliary_losses(
+    statistics: dict[str, Array], totals: dict[str, Array] | None = None
+) -> dict[str, Array]:
+    """The auxiliary losses, each the mean over mixture-of-experts layers, of the batch whose
+    routing ``totals`` are given (``routing_statistics`` of that batch, or the sums of those of
+    its parts; None: ``statistics`` themselves), as this part's additive share.
+
+    Per layer, with C_e the batch's assignments to expert e before capacity, A = sum_e C_e
+    (its real tokens x k), N its real tokens, and this part's router probabilities summed per
+    expert P_e, z-losses summed Z and kept assignments K:
+
+    * ``moe_aux_loss``: ``experts * sum_e (C_e / A) (P_e / N)`` (Switch Transformer eq. 4);
+    * ``router_z_loss``: ``Z / N``;
+    * ``moe_dropped``: ``(A_part - K) / A``, A_part this part's assignments.
+
+    Each is linear in the part's statistics given the batch's C, A and N, which carry no
+    gradient (assignments are an argmax; stopped here too): the shares of a batch's parts sum
+    to the losses of the whole batch, in value and in gradient, so that gradient accumulation
+    gives the update of one big batch (``train.train_step``). With ``totals`` None this is
+    ``load_balancing_loss``, ``router_z_loss`` and the block's ``moe_dropped``, layer-averaged.
+    """
+    totals = statistics if totals is None else totals
+    counts = jax.lax.stop_gradient(totals["moe_expert_counts"])  # [layers, experts]
+    assigned = jnp.maximum(jnp.sum(counts, axis=-1), 1.0)  # [layers]
+    tokens = jnp.maximum(jax.lax.stop_gradient(totals["moe_tokens"]), 1.0)
+    num_experts = counts.shape[-1]
+    fraction = counts / assigned[:, None]
+    balance = num_experts * jnp.sum(fraction * statistics["moe_prob_sums"], -1) / tokens
+    own = jnp.sum(statistics["moe_expert_counts"], axis=-1)
+    return {
+        "moe_aux_loss": jnp.mean(balance),
+        "router_z_loss": jnp.mean(statistics["moe_z_sum"] / tokens),
+        "moe_dropped": jnp.mean((own - statistics["moe_kept"]) / assigned),
+    }
+
+
 def dispatch(x: Array, expert: Array, slot: Array, num_experts: int, slots: int) -> Array:
     """Token vectors x `[groups, tokens, d]` into expert buffers `[groups, experts, slots, d]`
     at (expert, slot); dropped assignments (slot == ``slots``) go nowhere."""
@@ -197,6 +260,14 @@ class MoeBlock(nn.Module):
         tokens = jnp.sum(w)
         kept = jnp.sum(slot < slots).astype(jnp.float32)
         self.sow("losses", "moe_dropped", 1.0 - kept / jnp.maximum(tokens * self.k, 1.0))
+        if self.is_mutable_collection("losses"):  # the statistics of ``routing_statistics``
+            counts = jax.nn.one_hot(expert, e, dtype=jnp.float32) * w[:, :, None, None]
+            z = jax.nn.logsumexp(logits, axis=-1) ** 2
+            self.sow("losses", "moe_expert_counts", jnp.sum(counts, axis=(0, 1, 2)))
+            self.sow("losses", "moe_prob_sums", jnp.sum(probs * w[:, :, None], axis=(0, 1)))
+            self.sow("losses", "moe_tokens", tokens)
+            self.sow("losses", "moe_z_sum", jnp.sum(z * w))
+            self.sow("losses", "moe_kept", kept)
 
         def weights(name: str, shape: tuple[int, ...], names: tuple[str | None, ...], init):
             return self.param(

@@ -7,7 +7,10 @@ cached decoding and training, and expert parallelism on 8 simulated devices agai
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -18,6 +21,9 @@ from test_sharding import final_loss, run_train, saved_state  # tests/ is on sys
 
 from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig, moe
 from flaxformer_lite.layers import MlpBlock
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train  # noqa: E402
 
 # ----------------------------------------------------------------------------- routing
 
@@ -349,14 +355,15 @@ def _random_params(model, *args, seed=0):
 
 
 def _sown(losses):
-    """Per layer (flattened order) each sown loss."""
+    """Per layer (flattened order) each sown loss, and the batch's auxiliary losses."""
     flat = {
         path: np.concatenate([np.ravel(v) for v in leaf])
         for path, leaf in jax.tree_util.tree_flatten_with_path(
             losses, is_leaf=lambda x: isinstance(x, tuple)
         )[0]
     }
-    return flat
+    batch = moe.batch_auxiliary_losses(moe.routing_statistics(losses))
+    return flat, {k: float(v) for k, v in batch.items()}
 
 
 @pytest.mark.parametrize(
@@ -390,9 +397,72 @@ def test_padding_changes_nothing_at_real_positions(kind, deterministic):
     if kind != "classification":
         logits_p = logits_p[:, : y.shape[1]]
     np.testing.assert_allclose(logits_p[real], logits[real], rtol=1e-5, atol=1e-5)
-    layers, layers_p = _sown(state["losses"]), _sown(state_p["losses"])
+    layers, batch = _sown(state["losses"])
+    layers_p, batch_p = _sown(state_p["losses"])
     assert layers.keys() == layers_p.keys()
     for path in layers:
         np.testing.assert_allclose(layers_p[path], layers[path], rtol=1e-5, atol=1e-6)
-    dropped = np.mean([v for path, v in layers.items() if "moe_dropped" in str(path)])
-    assert (dropped > 0.05) != deterministic  # drops in training only
+    assert batch_p == pytest.approx(batch, rel=1e-6)
+    assert (batch["moe_dropped"] > 0.05) != deterministic  # drops in training only
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_gradient_accumulation_gives_the_whole_batch_auxiliary_losses(capacity_factor):
+    """grad_accum_steps 2 against 1: the same gradient (routers included) and the same
+    logged load-balancing loss, z-loss and drops, those of the whole batch, which is the
+    blocks' own layer mean over the whole batch. With capacity (factor 1.0) too: a group is
+    a row, which a micro-batch holds whole. Auxiliary weights of 1 and 0.1, so that they
+    dominate the routers' gradient; unequal real-token counts across micro-batches."""
+    import optax
+
+    cfg = PADDED.replace(
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        expert_capacity_factor=capacity_factor,
+        moe_aux_loss_weight=1.0,
+        router_z_loss_weight=0.1,
+    )
+    model = EncoderDecoder(cfg)
+    rng = np.random.default_rng(2)
+    batch = {"inputs": rng.integers(3, 40, (8, 7)), "targets": rng.integers(3, 40, (8, 6))}
+    batch["inputs"][::3, 4:] = 0
+    batch["targets"][1::3, 2:] = 0
+    batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+    params = _random_params(model, batch["inputs"], batch["targets"], seed=3)
+    tx = optax.sgd(1.0)
+    state = train.TrainState(
+        step=jnp.array(0), params=params, opt_state=tx.init(params), rng=jax.random.key(0)
+    )
+    grads, metrics = {}, {}
+    for k in (1, 2):
+        step = functools.partial(
+            train.train_step, model=model, kind="translation", tx=tx,
+            schedule=lambda s: 1.0, label_smoothing=0.1, accum_steps=k, skip_nonfinite=False,
+        )  # fmt: skip
+        new, m = jax.jit(step)(state, batch)
+        grads[k] = jax.tree_util.tree_map(lambda a, b: np.asarray(a - b), params, new.params)
+        metrics[k] = {key: float(v) / float(m["count"]) for key, v in m.items() if "moe" in key}
+        metrics[k]["router_z_loss"] = float(m["router_z_loss"]) / float(m["count"])
+    # The reference: each block's own losses over the whole batch, averaged over layers.
+    _, state_ = model.apply(
+        {"params": params}, batch["inputs"], batch["targets"], deterministic=False,
+        mutable=["losses"],
+    )  # fmt: skip
+    flat = jax.tree_util.tree_flatten_with_path(state_["losses"])[0]
+    for key in train.MOE_KEYS:
+        values = [float(v) for path, v in flat if path[-2].key == key]
+        assert len(values) == 2
+        for k in (1, 2):
+            assert metrics[k][key] == pytest.approx(np.mean(values), rel=1e-6, abs=1e-7), (k, key)
+    assert (metrics[1]["moe_dropped"] > 0.05) == (capacity_factor is not None)
+    for k in (2,):
+        for path, g in jax.tree_util.tree_flatten_with_path(grads[k])[0]:
+            ref = grads[1]
+            for p in path:
+                ref = ref[p.key]
+            np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-6, err_msg=f"{k} {path}")
+    router = grads[1]["encoder"]["layers_0"]["moe"]["router"]
+    assert np.abs(router).max() > 1e-2  # the routers do learn from the auxiliary losses
