@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct, traverse_util
-from flax.core import unfreeze
+from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxformer_lite import (
@@ -39,6 +38,7 @@ from flaxformer_lite import (
     init_from,
     lm_task,
     losses,
+    moe,
     optim,
     paths,
     preflight,
@@ -130,25 +130,25 @@ def build_model(kind: str, cfg: TransformerConfig) -> nn.Module:
 
 
 def forward(model: nn.Module, kind: str, params, batch, *, deterministic: bool, rng=None):
-    """Logits, labels, weights of one batch, for any of the three models, and the auxiliary
-    losses the model sowed (``{"moe_aux_loss": ..., "router_z_loss": ..., "moe_dropped":
-    ...}``, each the mean over mixture-of-experts layers; empty for dense models)."""
+    """Logits, labels, weights of one batch, for any of the three models, and the routing
+    statistics the model sowed (``moe.routing_statistics``: per mixture-of-experts layer,
+    expert counts, router probability sums, real tokens ...; empty for dense models)."""
     rngs = None if deterministic else {"dropout": rng}
-    moe = model.config.num_experts > 0
+    is_moe = model.config.num_experts > 0
     apply_fn = functools.partial(
         model.apply,
         {"params": params},
         deterministic=deterministic,
         rngs=rngs,
-        mutable=["losses"] if moe else False,
+        mutable=["losses"] if is_moe else False,
     )
     aux: dict[str, jax.Array] = {}
 
     def apply(*args, **kwargs):
-        if not moe:
+        if not is_moe:
             return apply_fn(*args, **kwargs)
         out, state = apply_fn(*args, **kwargs)
-        aux.update(moe_losses(state.get("losses", {})))
+        aux.update(moe.routing_statistics(state.get("losses", {})))
         return out
 
     if kind == "classification":
@@ -176,24 +176,12 @@ SUM_KEYS = ("smoothed_kl", "nll", "count", "correct")
 MOE_KEYS = ("moe_aux_loss", "router_z_loss", "moe_dropped")
 
 
-def moe_losses(losses) -> dict[str, jax.Array]:
-    """Mean over mixture-of-experts layers of each sown auxiliary loss (``moe.MoeBlock``):
-    unrolled layers sow one value each, a scanned stack one value per layer."""
-    flat = traverse_util.flatten_dict(unfreeze(losses))
-    out = {}
-    for key in MOE_KEYS:
-        values = [jnp.ravel(v) for path, leaf in flat.items() if path[-1] == key for v in leaf]
-        if values:
-            out[key] = jnp.mean(jnp.concatenate(values))
-    return out
-
-
 def sum_keys(cfg: TransformerConfig) -> tuple[str, ...]:
     """The keys ``loss_sums`` returns for a model of ``cfg``."""
     return SUM_KEYS + (MOE_KEYS if cfg.num_experts > 0 else ())
 
 
-def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng=None):
+def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng=None, totals=None):
     """(objective sum, aux sums), summed so micro-batches and devices add up exactly.
 
     The objective is ``losses.smoothed_cross_entropy``: the label-smoothed cross-entropy minus
@@ -202,10 +190,15 @@ def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng
     hence the key ``smoothed_kl``. ``nll`` is the unsmoothed cross-entropy of the labels.
 
     A mixture-of-experts model adds its weighted auxiliary losses (per token, so x count in
-    the sum): ``moe_aux_loss_weight x`` load balancing + ``router_z_loss_weight x`` z-loss;
-    ``moe_aux_loss``, ``router_z_loss`` and ``moe_dropped`` are returned x count too.
+    the sum): ``moe_aux_loss_weight x`` load balancing + ``router_z_loss_weight x`` z-loss,
+    each the mean over MoE layers; ``moe_aux_loss``, ``router_z_loss`` and ``moe_dropped``
+    are returned x count too. These losses are not sums over tokens (load balancing is a
+    product of two batch means), so a micro-batch of a larger batch takes ``totals``, the
+    whole batch's ``routing_totals``: then it returns its additive share of the whole batch's
+    losses (``moe.batch_auxiliary_losses``; x the whole batch's count), and the shares of the
+    micro-batches sum to the whole batch's value and gradient. None: this batch is the whole.
     """
-    logits, labels, weights, aux = forward(
+    logits, labels, weights, stats = forward(
         model, kind, params, batch, deterministic=deterministic, rng=rng
     )
     kl, count = losses.smoothed_cross_entropy(logits, labels, weights, label_smoothing)
@@ -213,14 +206,24 @@ def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng
     correct = losses.correct_predictions(logits, labels, weights)
     sums = {"smoothed_kl": kl, "nll": nll, "count": count, "correct": correct}
     objective = kl
-    if aux:
+    if stats:
         cfg = model.config
-        objective = kl + count * (
+        aux = moe.batch_auxiliary_losses(stats, None if totals is None else totals["routing"])
+        total = count if totals is None else totals["count"]
+        objective = kl + total * (
             cfg.moe_aux_loss_weight * aux["moe_aux_loss"]
             + cfg.router_z_loss_weight * aux["router_z_loss"]
         )
-        sums.update({k: count * v for k, v in aux.items()})
+        sums.update({k: total * v for k, v in aux.items()})
     return objective, sums
+
+
+def routing_totals(model, kind, params, batch, *, deterministic, rng=None):
+    """What ``loss_sums(totals=)`` needs of a batch: its loss-weight ``count`` and its
+    ``routing`` statistics (``moe.routing_statistics``); a forward pass, no gradient. Sums:
+    the totals of a batch's micro-batches add up to the batch's."""
+    _, _, weights, stats = forward(model, kind, params, batch, deterministic=deterministic, rng=rng)
+    return {"count": jnp.sum(weights.astype(jnp.float32)), "routing": stats}
 
 
 # ----------------------------------------------------------------------------- steps
@@ -241,7 +244,18 @@ def train_step(
     """One optimizer update from a batch of ``accum_steps`` micro-batches.
 
     Gradients of the *summed* loss are accumulated and divided once by the real-token count
-    of the whole batch, so accumulation gives the same update as one big batch.
+    of the whole batch, so accumulation gives the same update as one big batch: the same
+    gradients and logged sums (up to float rounding) when the model has no dropout (each
+    micro-batch draws its own dropout masks).
+
+    That holds for a mixture of experts too: its auxiliary losses (load balancing, router
+    z-loss) and ``moe_dropped`` are those of the whole batch, not a mean of per-micro-batch
+    losses. A forward pass over the micro-batches first sums their routing statistics
+    (``routing_totals``: tokens and assignments per expert in every MoE layer), then each
+    micro-batch's gradient pass takes its additive share of the whole batch's losses
+    (``loss_sums(totals=)``); the cost is one more forward pass per step, only for a
+    mixture of experts with ``accum_steps > 1``. Capacity binds per group, and a group is a
+    batch row, which a micro-batch holds whole: dropping is unchanged by accumulation.
     """
     rng = jax.random.fold_in(state.rng, state.step)
     grad_fn = jax.grad(
@@ -254,10 +268,29 @@ def train_step(
         micro = jax.tree_util.tree_map(
             lambda x: x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:]), batch
         )
+        totals = None
+        if model.config.num_experts > 0:
+
+            def add_totals(carry, inputs):
+                i, mb = inputs
+                t = routing_totals(
+                    model, kind, state.params, mb, deterministic=False,
+                    rng=jax.random.fold_in(rng, i),
+                )  # fmt: skip
+                return jax.tree_util.tree_map(jnp.add, carry, t), None
+
+            first = jax.eval_shape(
+                lambda: routing_totals(
+                    model, kind, state.params, jax.tree_util.tree_map(lambda x: x[0], micro),
+                    deterministic=False, rng=rng,
+                )
+            )  # fmt: skip
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), first)
+            totals, _ = jax.lax.scan(add_totals, zeros, (jnp.arange(accum_steps), micro))
 
         def body(carry, inputs):
             i, mb = inputs
-            g, s = grad_fn(state.params, mb, rng=jax.random.fold_in(rng, i))
+            g, s = grad_fn(state.params, mb, rng=jax.random.fold_in(rng, i), totals=totals)
             return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
 
         zeros = jax.tree_util.tree_map(

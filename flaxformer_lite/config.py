@@ -100,7 +100,8 @@ class TransformerConfig:
         0 = every layer is dense.
       num_experts_per_token: experts each token is routed to (top-k).
       expert_capacity_factor: slots per expert = ceil(factor x tokens x k / experts) per
-        sequence during training (assignments beyond are dropped); None = no limit.
+        sequence during training, tokens counting its real (non-pad) tokens only
+        (assignments beyond are dropped); None = no limit.
         Evaluation and decoding never drop.
       moe_every: layer i of a stack is a mixture-of-experts layer when (i + 1) % moe_every
         == 0 (1: every layer, 2: every second layer, as in GShard and Switch); must be 1 with

@@ -880,7 +880,8 @@ class DecoderLayer(nn.Module):
     (``positions`` are then the new tokens' absolute positions, see ``MultiHeadAttention``), and
     the encoder-decoder attention from cached encoder keys/values when ``encoded`` is None.
     ``check_cache``: see ``MultiHeadAttention``. Only arrays are call arguments. ``moe``: the
-    feed-forward block is a mixture of experts (``moe.MoeBlock``; every position is routed).
+    feed-forward block is a mixture of experts (``moe.MoeBlock``, routing the positions that
+    ``valid`` marks, every position when it is None).
     ``beam_size`` (with ``decode=True``): rows are ``batch * beam_size`` beam-search
     hypotheses; the cross-attention cache and ``encoded`` have ``batch`` rows, and
     ``beam_ancestors`` (when given) makes self-attention follow each row's history through an
@@ -905,10 +906,12 @@ class DecoderLayer(nn.Module):
         positions: Array | None = None,
         bias: Array | None = None,
         beam_ancestors: Array | None = None,
+        valid: Array | None = None,
     ) -> Array:
         """bias: added to the self-attention logits, `[batch|1, heads, len, kv_len]` (the
         stack's relative position bias; with ``decode=True`` kv_len is the cache length).
-        beam_ancestors: int `[batch * beam_size, slots]`, see ``beam_cache``."""
+        beam_ancestors: int `[batch * beam_size, slots]`, see ``beam_cache``. valid: bool
+        `[batch, len]`, the real positions (padding is not routed by a mixture of experts)."""
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
@@ -943,5 +946,5 @@ class DecoderLayer(nn.Module):
                 )
 
             x = residual(x, cross_attention, make_norm(cfg, "cross_attention_norm"), dropout, **kw)
-        ffn = _feed_forward(cfg, self.moe, self.deterministic)
+        ffn = _feed_forward(cfg, self.moe, self.deterministic, valid)
         return residual(x, ffn, make_norm(cfg, "mlp_norm"), dropout, **kw)

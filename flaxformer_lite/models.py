@@ -359,11 +359,15 @@ class Decoder(nn.Module):
         decoder_positions: Array | None = None,
         inputs_segmentation: Array | None = None,
         targets_segmentation: Array | None = None,
+        targets_valid: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
         check_cache: bool = True,
         beam_size: int = 1,
     ) -> Array:
+        """targets_valid: bool `[b, t]`, the positions whose target is real; mixture-of-experts
+        layers route only those (capacity and auxiliary losses count real tokens only), so
+        padding changes nothing at the real positions. None: every position is real."""
         cfg = self.config
         if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
             raise ValueError(f"beam_size must be a positive int; got {beam_size!r}")
@@ -438,6 +442,8 @@ class Decoder(nn.Module):
             ancestors = self._beam_ancestors(decoder_inputs, start, beam_size, initialized)
         if ancestors is not None:
             shared += [None] * (5 - len(shared)) + [ancestors]  # after the (absent) bias
+        if targets_valid is not None and cfg.num_experts > 0:  # DecoderLayer's ``valid``
+            shared += [None] * (6 - len(shared)) + [targets_valid]
         x = layer_stack(
             lambda name, i: DecoderLayer(
                 cfg,
@@ -579,12 +585,16 @@ class EncoderDecoder(nn.Module):
         decoder_positions: Array | None = None,
         inputs_segmentation: Array | None = None,
         targets_segmentation: Array | None = None,
+        targets_valid: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
         check_cache: bool = True,
         beam_size: int = 1,
     ) -> Array:
         """Logits `[batch, tgt_len, vocab]` from *shifted* decoder inputs `[batch, tgt_len]`.
+
+        ``targets_valid``: bool `[batch, tgt_len]`, the positions that predict a real target
+        (``__call__`` passes ``targets != pad_id``): a mixture of experts routes only those.
 
         ``decode=True`` runs one or more new positions against the key/value cache. In that mode
         ``encoded`` may be None once a call with it has stored the projected encoder keys and
@@ -607,6 +617,7 @@ class EncoderDecoder(nn.Module):
             decoder_positions=decoder_positions,
             inputs_segmentation=inputs_segmentation,
             targets_segmentation=targets_segmentation,
+            targets_valid=targets_valid,
             deterministic=deterministic,
             decode=decode,
             check_cache=check_cache,
@@ -639,6 +650,7 @@ class EncoderDecoder(nn.Module):
             decoder_positions=targets_positions,
             inputs_segmentation=inputs_segmentation,
             targets_segmentation=targets_segmentation,
+            targets_valid=targets != self.config.pad_id,
             deterministic=deterministic,
         )
 
@@ -665,13 +677,14 @@ class DecoderOnly(nn.Module):
         *,
         decoder_positions: Array | None = None,
         segmentation: Array | None = None,
+        targets_valid: Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
         check_cache: bool = True,
         beam_size: int = 1,
     ) -> Array:
         """Logits from *shifted* inputs `[batch, length]`; ``decode=True`` uses the cache
-        (``check_cache`` and ``beam_size`` as in ``EncoderDecoder.decode``)."""
+        (``check_cache``, ``beam_size`` and ``targets_valid`` as in ``EncoderDecoder.decode``)."""
         check_tokens("decoder_inputs", decoder_inputs, self.config)
         return self.decoder(
             None,
@@ -679,6 +692,7 @@ class DecoderOnly(nn.Module):
             decoder_inputs,
             decoder_positions=decoder_positions,
             targets_segmentation=segmentation,
+            targets_valid=targets_valid,
             deterministic=deterministic,
             decode=decode,
             check_cache=check_cache,
@@ -698,6 +712,7 @@ class DecoderOnly(nn.Module):
             shift_right(tokens, self.config.bos_id, positions),
             decoder_positions=positions,
             segmentation=segmentation,
+            targets_valid=tokens != self.config.pad_id,
             deterministic=deterministic,
         )
 

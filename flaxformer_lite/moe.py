@@ -11,13 +11,17 @@ Routing, for each group of tokens (one sequence of the batch, so groups never sp
    The combine weights are those probabilities renormalised over the k choices (with k = 1,
    the probability itself, as in the Switch Transformer).
 2. Capacity: an expert takes at most ``C = ceil(capacity_factor * tokens * k / experts)``
-   tokens of a group. Assignments fill slots in priority order: every token's first choice,
-   in token order, then every second choice, and so on (GShard), so a token loses its first
-   choice only when its expert is full of earlier first choices. An assignment beyond ``C`` is
-   dropped: it adds nothing to the block's output (the residual connection still carries the
-   token). Without a capacity factor (evaluation and decoding) nothing is dropped.
-3. Dispatch is a scatter of token vectors into an `[groups, experts, C, d_model]` buffer and
-   combine a gather back, by (expert, slot) indices: nothing of size
+   tokens of a group, ``tokens`` counting the group's *real* tokens only (the ``valid`` mask:
+   padding is never routed, never takes a slot and never counts). Assignments fill slots in
+   priority order: every real token's first choice, in token order, then every second choice,
+   and so on (GShard), so a token loses its first choice only when its expert is full of
+   earlier first choices. An assignment beyond ``C`` is dropped: it adds nothing to the
+   block's output (the residual connection still carries the token). Without a capacity
+   factor (evaluation and decoding) nothing is dropped. So a row's outputs do not depend on
+   padding appended to it (or to other rows), in training as in evaluation.
+3. Dispatch is a scatter of token vectors into an `[groups, experts, slots, d_model]` buffer
+   (``slots``: the capacity of a group of the padded length, an upper bound of every group's
+   C) and combine a gather back, by (expert, slot) indices: nothing of size
    `[tokens, experts, C]` (GShard's one-hot dispatch tensor) is ever built.
 
 Auxiliary losses (sown into the ``"losses"`` collection, which the training step makes
@@ -29,6 +33,12 @@ mutable and adds to its objective; elsewhere ``sow`` does nothing):
 * router z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2.
 
 Also sown: ``moe_dropped``, the fraction of assignments dropped for capacity.
+
+Routing statistics, sown into "losses" too, from which the training step forms the auxiliary
+losses of a whole batch (``routing_statistics``; sums, so micro-batches add up): per expert,
+``moe_expert_counts`` (assignments of real tokens, before capacity) and ``moe_prob_sums``
+(router probabilities summed over real tokens); ``moe_tokens`` (real tokens routed),
+``moe_z_sum`` (their logsumexp(router logits)^2 summed) and ``moe_kept`` (assignments kept).
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
+from flax.core import unfreeze
 
 from flaxformer_lite.activations import ACTIVATIONS, GATED
 
@@ -54,17 +66,36 @@ def capacity(tokens: int, num_experts: int, k: int, factor: float | None) -> int
     return max(1, min(tokens, math.ceil(factor * tokens * k / num_experts)))
 
 
+def group_capacity(
+    valid: Array | None, groups: int, tokens: int, num_experts: int, k: int, factor: float | None
+) -> Array:
+    """Each group's capacity, int32 `[groups]`: ``capacity(real tokens of the group, ...)``,
+    the real tokens counted by ``valid`` (bool `[groups, tokens]`; None: all ``tokens``).
+    Read from a table of ``capacity`` over 0..tokens, so it is exactly that formula."""
+    table = jnp.asarray([capacity(n, num_experts, k, factor) for n in range(tokens + 1)])
+    if valid is None:
+        return jnp.full((groups,), table[tokens], jnp.int32)
+    return table[jnp.sum(valid.astype(jnp.int32), axis=1)].astype(jnp.int32)
+
+
 def route(
-    router_logits: Array, k: int, slots: int, valid: Array | None = None
+    router_logits: Array,
+    k: int,
+    slots: int,
+    valid: Array | None = None,
+    limit: Array | None = None,
 ) -> tuple[Array, Array, Array, Array]:
     """Top-k routing with capacity for groups of tokens.
 
     Args:
       router_logits: float `[groups, tokens, experts]`.
       k: experts per token.
-      slots: capacity C of each expert per group.
-      valid: optional bool `[groups, tokens]`; False tokens (padding) are not routed and take
-        no slot.
+      slots: slots of each expert per group in the dispatch buffer (static); the capacity
+        unless ``limit`` is given.
+      valid: optional bool `[groups, tokens]`; False tokens (padding) are not routed, take
+        no slot and do not move the real tokens' priority.
+      limit: optional int `[groups]`, each group's capacity (at most ``slots``; see
+        ``group_capacity``): an assignment at a slot >= its group's limit is dropped.
 
     Returns:
       expert: int32 `[groups, tokens, k]`, the chosen experts (most probable first);
@@ -86,7 +117,8 @@ def route(
     position = jnp.cumsum(ordered, axis=1) - ordered  # assignments to e before this one
     position = jnp.swapaxes(position.reshape(g, k, t, num_experts), 1, 2)  # [g, t, k, e]
     slot = jnp.sum(position * chosen, axis=-1)  # [g, t, k]
-    kept = (slot < slots) & (jnp.sum(chosen, axis=-1) > 0)
+    cap = slots if limit is None else jnp.minimum(limit, slots)[:, None, None]
+    kept = (slot < cap) & (jnp.sum(chosen, axis=-1) > 0)
     slot = jnp.where(kept, slot, slots).astype(jnp.int32)
     return expert.astype(jnp.int32), slot, jnp.where(kept, gate, 0.0), probs
 
@@ -114,6 +146,61 @@ def router_z_loss(router_logits: Array, valid: Array | None = None) -> Array:
     return jnp.sum(z * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
+STATISTICS = ("moe_expert_counts", "moe_prob_sums", "moe_tokens", "moe_z_sum", "moe_kept")
+
+
+def routing_statistics(losses: Any) -> dict[str, Array]:
+    """The routing statistics every ``MoeBlock`` of a model sowed into its "losses" collection
+    (``apply(..., mutable=["losses"])[1]["losses"]``), one row per mixture-of-experts layer:
+    ``moe_expert_counts`` and ``moe_prob_sums`` `[layers, experts]`, ``moe_tokens``,
+    ``moe_z_sum`` and ``moe_kept`` `[layers]` (a scanned stack gives one row per layer; the
+    order is the collection's, the same on every call of one model). {} when there are none."""
+    flat = traverse_util.flatten_dict(unfreeze(losses)) if losses else {}
+    out = {}
+    for key in STATISTICS:
+        values = [v for path, leaf in flat.items() if path[-1] == key for v in leaf]
+        if values:
+            shape = (-1, values[0].shape[-1]) if key in STATISTICS[:2] else (-1,)
+            out[key] = jnp.concatenate([jnp.reshape(v, shape) for v in values])
+    return out
+
+
+def batch_auxiliary_losses(
+    statistics: dict[str, Array], totals: dict[str, Array] | None = None
+) -> dict[str, Array]:
+    """The auxiliary losses, each the mean over mixture-of-experts layers, of the batch whose
+    routing ``totals`` are given (``routing_statistics`` of that batch, or the sums of those of
+    its parts; None: ``statistics`` themselves), as this part's additive share.
+
+    Per layer, with C_e the batch's assignments to expert e before capacity, A = sum_e C_e
+    (its real tokens x k), N its real tokens, and this part's router probabilities summed per
+    expert P_e, z-losses summed Z and kept assignments K:
+
+    * ``moe_aux_loss``: ``experts * sum_e (C_e / A) (P_e / N)`` (Switch Transformer eq. 4);
+    * ``router_z_loss``: ``Z / N``;
+    * ``moe_dropped``: ``(A_part - K) / A``, A_part this part's assignments.
+
+    Each is linear in the part's statistics given the batch's C, A and N, which carry no
+    gradient (assignments are an argmax; stopped here too): the shares of a batch's parts sum
+    to the losses of the whole batch, in value and in gradient, so that gradient accumulation
+    gives the update of one big batch (``train.train_step``). With ``totals`` None this is
+    ``load_balancing_loss``, ``router_z_loss`` and the block's ``moe_dropped``, layer-averaged.
+    """
+    totals = statistics if totals is None else totals
+    counts = jax.lax.stop_gradient(totals["moe_expert_counts"])  # [layers, experts]
+    assigned = jnp.maximum(jnp.sum(counts, axis=-1), 1.0)  # [layers]
+    tokens = jnp.maximum(jax.lax.stop_gradient(totals["moe_tokens"]), 1.0)
+    num_experts = counts.shape[-1]
+    fraction = counts / assigned[:, None]
+    balance = num_experts * jnp.sum(fraction * statistics["moe_prob_sums"], -1) / tokens
+    own = jnp.sum(statistics["moe_expert_counts"], axis=-1)
+    return {
+        "moe_aux_loss": jnp.mean(balance),
+        "router_z_loss": jnp.mean(statistics["moe_z_sum"] / tokens),
+        "moe_dropped": jnp.mean((own - statistics["moe_kept"]) / assigned),
+    }
+
+
 def dispatch(x: Array, expert: Array, slot: Array, num_experts: int, slots: int) -> Array:
     """Token vectors x `[groups, tokens, d]` into expert buffers `[groups, experts, slots, d]`
     at (expert, slot); dropped assignments (slot == ``slots``) go nowhere."""
@@ -137,8 +224,9 @@ class MoeBlock(nn.Module):
     """``num_experts`` feed-forward experts (``MlpBlock``'s arithmetic, one weight set per
     expert), top-``k`` routed. `[batch, length, d_model]` -> same; each batch row is a group.
 
-    ``capacity_factor`` applies when ``deterministic`` is False (training); evaluation and
-    decoding route every token to its k experts (no capacity, nothing dropped), so cached
+    ``capacity_factor`` applies when ``deterministic`` is False (training), per group to its
+    real tokens (``valid``, bool `[batch, length]`; None: every position is real); evaluation
+    and decoding route every token to its k experts (no capacity, nothing dropped), so cached
     decoding computes what the full forward does.
     """
 
@@ -162,13 +250,24 @@ class MoeBlock(nn.Module):
         )
         logits = jnp.einsum("gtd,de->gte", x.astype(jnp.float32), router.astype(jnp.float32))
         factor = None if deterministic else self.capacity_factor
-        slots = capacity(x.shape[1], e, self.k, factor)
-        expert, slot, gate, probs = route(logits, self.k, slots, valid)
+        g, t = x.shape[:2]
+        slots = capacity(t, e, self.k, factor)  # the buffer: every group's capacity fits
+        limit = group_capacity(valid, g, t, e, self.k, factor)
+        expert, slot, gate, probs = route(logits, self.k, slots, valid, limit)
         self.sow("losses", "moe_aux_loss", load_balancing_loss(probs, expert, valid))
         self.sow("losses", "router_z_loss", router_z_loss(logits, valid))
-        assignments = expert.size if valid is None else jnp.sum(valid) * self.k
-        kept = jnp.sum(slot < slots)
-        self.sow("losses", "moe_dropped", 1.0 - kept / jnp.maximum(assignments, 1))
+        w = jnp.ones((g, t), jnp.float32) if valid is None else valid.astype(jnp.float32)
+        tokens = jnp.sum(w)
+        kept = jnp.sum(slot < slots).astype(jnp.float32)
+        self.sow("losses", "moe_dropped", 1.0 - kept / jnp.maximum(tokens * self.k, 1.0))
+        if self.is_mutable_collection("losses"):  # the statistics of ``routing_statistics``
+            counts = jax.nn.one_hot(expert, e, dtype=jnp.float32) * w[:, :, None, None]
+            z = jax.nn.logsumexp(logits, axis=-1) ** 2
+            self.sow("losses", "moe_expert_counts", jnp.sum(counts, axis=(0, 1, 2)))
+            self.sow("losses", "moe_prob_sums", jnp.sum(probs * w[:, :, None], axis=(0, 1)))
+            self.sow("losses", "moe_tokens", tokens)
+            self.sow("losses", "moe_z_sum", jnp.sum(z * w))
+            self.sow("losses", "moe_kept", kept)
 
         def weights(name: str, shape: tuple[int, ...], names: tuple[str | None, ...], init):
             return self.param(

@@ -7,6 +7,11 @@ cached decoding and training, and expert parallelism on 8 simulated devices agai
 
 from __future__ import annotations
 
+import functools
+import math
+import sys
+from pathlib import Path
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,8 +19,11 @@ import numpy as np
 import pytest
 from test_sharding import final_loss, run_train, saved_state  # tests/ is on sys.path
 
-from flaxformer_lite import EncoderDecoder, TransformerConfig, moe
+from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig, moe
 from flaxformer_lite.layers import MlpBlock
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train  # noqa: E402
 
 # ----------------------------------------------------------------------------- routing
 
@@ -123,6 +131,73 @@ def test_block_matches_a_float64_mixture_without_capacity(k, activation):
     }
     out = block.apply({"params": params}, x, deterministic=True)
     np.testing.assert_allclose(out, _mixture_float64(params, x, k, activation), atol=2e-5)
+
+
+def _routing_float64(probs, valid, k, factor):
+    """Combine weights `[groups, tokens, experts]` of top-k routing with capacity, in float64:
+    per group, capacity ceil(factor x real tokens x k / experts) (at least 1, at most the real
+    tokens), slots filled by every real token's first choice in token order, then every
+    second choice ...; padding routes nothing and takes no slot."""
+    groups, tokens, experts = probs.shape
+    weights = np.zeros_like(probs)
+    for g in range(groups):
+        real = [t for t in range(tokens) if valid[g, t]]
+        cap = len(real)
+        if factor is not None:
+            cap = max(1, min(len(real), math.ceil(factor * len(real) * k / experts)))
+        top = {t: np.argsort(-probs[g, t], kind="stable")[:k] for t in real}
+        used = np.zeros(experts, int)
+        for choice in range(k):
+            for t in real:
+                e = top[t][choice]
+                if used[e] < cap:
+                    used[e] += 1
+                    norm = probs[g, t, top[t]].sum() if k > 1 else 1.0
+                    weights[g, t, e] = probs[g, t, e] / norm
+    return weights
+
+
+def _capacity_mixture_float64(params, x, valid, k, factor):
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    x = np.asarray(x, np.float64)
+    logits = x @ p["router"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    weights = _routing_float64(probs, valid, k, factor)
+    h = np.maximum(np.einsum("btd,edf->btef", x, p["wi"]) + p["wi_bias"], 0.0)
+    y = np.einsum("btef,efd->bted", h, p["wo"]) + p["wo_bias"][None, None]
+    return np.einsum("bted,bte->btd", y, weights), weights
+
+
+@pytest.mark.parametrize("k", [2, 1])
+def test_capacity_counts_real_tokens_only_against_a_float64_routing(k):
+    """Training (capacity factor 1.0, drops happen) with padding inside and after the real
+    tokens: capacity from each row's real tokens, pads take no slot and do not move the real
+    tokens' priority; the same outputs at the real positions as the row without its pads."""
+    e, factor = 4, 1.0
+    block = moe.MoeBlock(num_experts=e, k=k, d_ff=16, capacity_factor=factor)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 12, 8)).astype(np.float32)
+    valid = np.ones((3, 12), bool)
+    valid[0, 7:] = False  # trailing padding
+    valid[1, [1, 4, 5, 10]] = False  # padding between real tokens
+    params = nn.meta.unbox(block.init(jax.random.key(1), jnp.asarray(x))["params"])
+    params = {n: (rng.standard_normal(v.shape) * 0.5).astype(np.float32) for n, v in params.items()}
+    params["router"] = params["router"] * 4.0  # far from uniform: experts overflow
+    out, state = block.apply(
+        {"params": params}, jnp.asarray(x), jnp.asarray(valid), deterministic=False,
+        mutable=["losses"],
+    )  # fmt: skip
+    expected, weights = _capacity_mixture_float64(params, x, valid, k, factor)
+    kept = (weights > 0).sum()
+    assert 0 < kept < valid.sum() * k  # capacity binds
+    np.testing.assert_allclose(out, expected, atol=2e-5)
+    dropped = float(state["losses"]["moe_dropped"][0])
+    assert dropped == pytest.approx(1.0 - kept / (valid.sum() * k), abs=1e-6)
+    # Row 1 without its pads: the same outputs at its real tokens.
+    compact = x[1][valid[1]][None]
+    alone = block.apply({"params": params}, jnp.asarray(compact), deterministic=False)
+    np.testing.assert_allclose(alone[0], out[1][valid[1]], atol=2e-5)
 
 
 @pytest.mark.parametrize("activation", ["relu", "swiglu"])
@@ -259,3 +334,135 @@ def test_eight_simulated_devices_with_expert_parallelism_match_one(moe_reference
     la, lb = jax.tree_util.tree_leaves(a["params"]), jax.tree_util.tree_leaves(b["params"])
     for p, q in zip(la, lb, strict=True):
         np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- padding
+
+PADDED = MOE.replace(moe_every=1, expert_capacity_factor=1.0, num_classes=3)
+
+
+def _random_params(model, *args, seed=0):
+    """Parameters drawn with numpy on eval_shape's shapes (no eager init), routers scaled up
+    so that routing is far from uniform and capacity 1.0 drops assignments."""
+    rng = np.random.default_rng(seed)
+    shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), *args)["params"])
+
+    def draw(path, s):
+        scale = 2.0 if path[-1].key == "router" else 0.3
+        return jnp.asarray(scale * rng.standard_normal(s.shape), s.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def _sown(losses):
+    """Per layer (flattened order) each sown loss, and the batch's auxiliary losses."""
+    flat = {
+        path: np.concatenate([np.ravel(v) for v in leaf])
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            losses, is_leaf=lambda x: isinstance(x, tuple)
+        )[0]
+    }
+    batch = moe.batch_auxiliary_losses(moe.routing_statistics(losses))
+    return flat, {k: float(v) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize(
+    "kind, deterministic",
+    [("translation", False), ("translation", True), ("lm", False), ("classification", False)],
+)
+def test_padding_changes_nothing_at_real_positions(kind, deterministic):
+    """The same rows with 4 more source and 3 more target pad columns: the same logits at the
+    real positions and the same auxiliary losses and drops, layer by layer (capacity factor
+    1.0, so that assignments are dropped in training)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(3, 40, size=(3, 9))
+    x[1, 5:], x[2, 8:] = 0, 0
+    y = rng.integers(3, 40, size=(3, 7))
+    y[0, 3:], y[2, 6:] = 0, 0
+    xp, yp = np.pad(x, ((0, 0), (0, 4))), np.pad(y, ((0, 0), (0, 3)))
+    if kind == "translation":
+        model, args, padded, real = EncoderDecoder(PADDED), (x, y), (xp, yp), y != 0
+    elif kind == "lm":
+        model, args, padded, real = DecoderOnly(PADDED), (y,), (yp,), y != 0
+    else:
+        model, args, padded, real = EncoderClassifier(PADDED), (x,), (xp,), np.ones(3, bool)
+    params = _random_params(model, *args)
+    run = jax.jit(
+        lambda *a: model.apply(
+            {"params": params}, *a, deterministic=deterministic, mutable=["losses"]
+        )
+    )
+    logits, state = run(*map(jnp.asarray, args))
+    logits_p, state_p = run(*map(jnp.asarray, padded))
+    if kind != "classification":
+        logits_p = logits_p[:, : y.shape[1]]
+    np.testing.assert_allclose(logits_p[real], logits[real], rtol=1e-5, atol=1e-5)
+    layers, batch = _sown(state["losses"])
+    layers_p, batch_p = _sown(state_p["losses"])
+    assert layers.keys() == layers_p.keys()
+    for path in layers:
+        np.testing.assert_allclose(layers_p[path], layers[path], rtol=1e-5, atol=1e-6)
+    assert batch_p == pytest.approx(batch, rel=1e-6)
+    assert (batch["moe_dropped"] > 0.05) != deterministic  # drops in training only
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_gradient_accumulation_gives_the_whole_batch_auxiliary_losses(capacity_factor):
+    """grad_accum_steps 2 against 1: the same gradient (routers included) and the same
+    logged load-balancing loss, z-loss and drops, those of the whole batch, which is the
+    blocks' own layer mean over the whole batch. With capacity (factor 1.0) too: a group is
+    a row, which a micro-batch holds whole. Auxiliary weights of 1 and 0.1, so that they
+    dominate the routers' gradient; unequal real-token counts across micro-batches."""
+    import optax
+
+    cfg = PADDED.replace(
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        expert_capacity_factor=capacity_factor,
+        moe_aux_loss_weight=1.0,
+        router_z_loss_weight=0.1,
+    )
+    model = EncoderDecoder(cfg)
+    rng = np.random.default_rng(2)
+    batch = {"inputs": rng.integers(3, 40, (8, 7)), "targets": rng.integers(3, 40, (8, 6))}
+    batch["inputs"][::3, 4:] = 0
+    batch["targets"][1::3, 2:] = 0
+    batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+    params = _random_params(model, batch["inputs"], batch["targets"], seed=3)
+    tx = optax.sgd(1.0)
+    state = train.TrainState(
+        step=jnp.array(0), params=params, opt_state=tx.init(params), rng=jax.random.key(0)
+    )
+    grads, metrics = {}, {}
+    for k in (1, 2):
+        step = functools.partial(
+            train.train_step, model=model, kind="translation", tx=tx,
+            schedule=lambda s: 1.0, label_smoothing=0.1, accum_steps=k, skip_nonfinite=False,
+        )  # fmt: skip
+        new, m = jax.jit(step)(state, batch)
+        grads[k] = jax.tree_util.tree_map(lambda a, b: np.asarray(a - b), params, new.params)
+        metrics[k] = {key: float(v) / float(m["count"]) for key, v in m.items() if "moe" in key}
+        metrics[k]["router_z_loss"] = float(m["router_z_loss"]) / float(m["count"])
+    # The reference: each block's own losses over the whole batch, averaged over layers.
+    _, state_ = model.apply(
+        {"params": params}, batch["inputs"], batch["targets"], deterministic=False,
+        mutable=["losses"],
+    )  # fmt: skip
+    flat = jax.tree_util.tree_flatten_with_path(state_["losses"])[0]
+    for key in train.MOE_KEYS:
+        values = [float(v) for path, v in flat if path[-2].key == key]
+        assert len(values) == 2
+        for k in (1, 2):
+            assert metrics[k][key] == pytest.approx(np.mean(values), rel=1e-6, abs=1e-7), (k, key)
+    assert (metrics[1]["moe_dropped"] > 0.05) == (capacity_factor is not None)
+    for k in (2,):
+        for path, g in jax.tree_util.tree_flatten_with_path(grads[k])[0]:
+            ref = grads[1]
+            for p in path:
+                ref = ref[p.key]
+            np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-6, err_msg=f"{k} {path}")
+    router = grads[1]["encoder"]["layers_0"]["moe"]["router"]
+    assert np.abs(router).max() > 1e-2  # the routers do learn from the auxiliary losses
