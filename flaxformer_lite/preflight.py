@@ -139,6 +139,8 @@ SAFE_CHANGES = (
 
 # Fields whose change alters the shapes of the checkpoint's parameters or optimizer state, so
 # that restoring fails: ``allow_changes`` cannot allow them (train in a new workdir instead).
+# tests/test_init_from.py checks that every model field which changes the parameter tree
+# (paths, shapes or dtypes) is listed.
 SHAPE_FIELDS = (
     "task",
     "optimizer",
@@ -162,6 +164,13 @@ SHAPE_FIELDS = (
     "model.fused_qkv",
     "model.num_classes",
     "model.head_dim",
+    "model.max_len",
+    "model.logits_bias",
+    "model.pooling",
+    "model.num_experts",
+    "model.moe_every",
+    "model.relative_num_buckets",
+    "model.quantization",
 )
 
 

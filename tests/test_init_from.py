@@ -274,3 +274,42 @@ def test_an_architecture_override_is_refused_before_the_workdir_is_written(sourc
     config = tiny_config(num_experts=0, d_model=16, scan_layers=True, remat=True, dtype="bfloat16")
     config.init_from = str(source)
     preflight.check_run(config, str(tmp_path / "run"), device_count=1)
+
+
+def parameter_tree(config: TransformerConfig) -> dict[str, tuple]:
+    """Every parameter's path, shape and dtype as initialised (``eval_shape``: nothing runs)."""
+    import flax.linen as nn
+
+    from flaxformer_lite import EncoderDecoder
+
+    tokens = jax.numpy.ones((1, 4), jax.numpy.int32)
+    abstract = jax.eval_shape(
+        lambda: EncoderDecoder(config).init(jax.random.key(0), tokens, tokens)["params"]
+    )
+    return {
+        jax.tree_util.keystr(path): (leaf.shape, str(leaf.dtype))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(abstract))
+    }
+
+
+def test_resume_cannot_allow_a_field_that_changes_the_parameter_tree():
+    """preflight.SHAPE_FIELDS (what ``allow_changes`` may never allow on resume) holds every
+    model field whose change alters the checkpoint's parameter tree: checked field by field
+    with eval_shape against the tiny MoE model, so a new shape-changing field cannot be
+    forgotten there (a change it missed would be allowed and then fail inside the restore)."""
+    base = TransformerConfig(vocab_size=12, max_len=8, **TINY_MODEL, num_experts=2)
+    expected = parameter_tree(base)
+    alternatives = {
+        **ALTERNATIVES,
+        **TRAINING_ALTERNATIVES,
+        "num_experts": 3,
+        "pooling": "attention",
+    }
+    missing = []
+    for field, value in alternatives.items():
+        changed = base.replace(**{field: value})
+        if field == "attention_implementation":
+            changed = changed.replace(attention_dropout_rate=0.0)
+        if parameter_tree(changed) != expected and f"model.{field}" not in preflight.SHAPE_FIELDS:
+            missing.append(field)
+    assert not missing, f"change the parameter tree but resume may allow them: {missing}"
