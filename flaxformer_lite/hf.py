@@ -118,7 +118,18 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int = 1) -> TransformerConf
         )
     vocab = _hf_int(hf, "vocab_size")
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    tied = bool(hf.get("tie_word_embeddings", True))
     target_vocab = hf.get("decoder_vocab_size") or vocab
+    # transformers 5: tie_word_embeddings=False unties everything, even with shared
+    # embeddings: the encoder's and decoder's embed_tokens and lm_head are three tensors (the
+    # model's ``shared`` is then unused). That is our separate tables with one vocabulary.
+    if shared and not tied and target_vocab != vocab:
+        raise ValueError(
+            f"config.json has share_encoder_decoder_embeddings=True, tie_word_embeddings=False "
+            f"and decoder_vocab_size={target_vocab} != vocab_size={vocab}: the decoder's "
+            "embedding and lm_head would have different vocabularies; a Marian model has "
+            "decoder_vocab_size equal to vocab_size (or null) there"
+        )
     pad = _hf_int(hf, "pad_token_id")
     return TransformerConfig(
         vocab_size=vocab,
@@ -138,8 +149,8 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int = 1) -> TransformerConf
         position="sinusoidal",
         sinusoid_layout="halves",
         scale_embeddings=bool(hf.get("scale_embedding", False)),
-        share_embeddings=shared,
-        tie_output_embedding=bool(hf.get("tie_word_embeddings", True)),
+        share_embeddings=shared and tied,
+        tie_output_embedding=tied,
         logits_bias=True,
         use_bias=True,
         pad_id=pad,
@@ -179,6 +190,15 @@ def _marian_problems(config: TransformerConfig) -> list[str]:
     return problems
 
 
+def _hf_shared(config: TransformerConfig) -> bool:
+    """Marian's ``share_encoder_decoder_embeddings`` for ``config``: True for one table, and
+    for separate tables of one vocabulary with an untied output (transformers 5 unties all
+    three tables then; ``config_from_hf`` reads that back as separate tables)."""
+    if config.share_embeddings:
+        return True
+    return not config.tie_output_embedding and config.target_vocab_size is None
+
+
 def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
     """The Marian ``config.json`` dict of ``config``.
 
@@ -197,7 +217,7 @@ def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
         "model_type": "marian",
         "vocab_size": config.vocab_size,
         "decoder_vocab_size": config.output_vocab_size,
-        "share_encoder_decoder_embeddings": config.share_embeddings,
+        "share_encoder_decoder_embeddings": _hf_shared(config),
         "tie_word_embeddings": config.tie_output_embedding,
         "d_model": config.d_model,
         "encoder_layers": config.num_encoder_layers,
@@ -340,14 +360,17 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: TransformerC
             params.setdefault(stack, {})[f"layers_{i}"] = layer
 
     vocab, target_vocab = config.vocab_size, config.output_vocab_size
-    source_names = ["model.shared.weight", "model.encoder.embed_tokens.weight"]
-    target_names = ["model.decoder.embed_tokens.weight"]
-    if config.share_embeddings:
-        source_names += target_names + ["lm_head.weight"]
-    params["source_embedding"] = {"embedding": first(source_names, (vocab, d))}
-    if not config.share_embeddings:
-        target_names += [] if not config.tie_output_embedding else ["lm_head.weight"]
-        params["target_embedding"] = {"embedding": first(target_names, (target_vocab, d))}
+    if config.share_embeddings:  # one table, stored under any of its tied names
+        names = ["model.shared.weight", "model.encoder.embed_tokens.weight"]
+        names += ["model.decoder.embed_tokens.weight", "lm_head.weight"]
+        params["source_embedding"] = {"embedding": first(names, (vocab, d))}
+    else:  # the tables each stack reads (``model.shared``, if any, is not one of them)
+        params["source_embedding"] = {
+            "embedding": take("model.encoder.embed_tokens.weight", (vocab, d))
+        }
+        names = ["model.decoder.embed_tokens.weight"]
+        names += ["lm_head.weight"] if config.tie_output_embedding else []
+        params["target_embedding"] = {"embedding": first(names, (target_vocab, d))}
     if not config.tie_output_embedding:
         params["decoder"]["logits"] = {"kernel": take("lm_head.weight", (target_vocab, d)).T}
     bias = state.get("final_logits_bias")
@@ -357,7 +380,9 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: TransformerC
         else take("final_logits_bias", (1, target_vocab))[0]
     )
     _check_positions(state, config)
-    # Tied copies of the embedding and the position tables carry nothing new.
+    # Tied copies of the embedding and the position tables carry nothing new; with separate
+    # tables, MarianMTModel does not read ``model.shared`` (share_encoder_decoder_embeddings
+    # with tie_word_embeddings=False still stores it).
     redundant = {
         "model.shared.weight",
         "model.encoder.embed_tokens.weight",
@@ -415,11 +440,14 @@ def state_dict_from_params(params: Any, config: TransformerConfig) -> dict[str, 
                     state[f"{base}.weight"] = block["kernel"].T
                     state[f"{base}.bias"] = block["bias"]
     source = params["source_embedding"]["embedding"]
-    if config.share_embeddings:
-        state["model.shared.weight"] = source
-        target = source
+    if config.share_embeddings and config.tie_output_embedding:
+        state["model.shared.weight"] = source  # the tied copies are not stored
     else:
-        target = params["target_embedding"]["embedding"]
+        target = source if config.share_embeddings else params["target_embedding"]["embedding"]
+        if _hf_shared(config):
+            # transformers 5 stores (and never reads) ``model.shared`` when the tables are
+            # untied; the same names as its own save_pretrained, so nothing is reported missing.
+            state["model.shared.weight"] = source
         state["model.encoder.embed_tokens.weight"] = source
         state["model.decoder.embed_tokens.weight"] = target
     if not config.tie_output_embedding:
@@ -570,7 +598,8 @@ def save_pretrained(
 
     ``transformers.MarianMTModel.from_pretrained`` and CTranslate2's
     ``ct2-transformers-converter`` read the result (the converter needs the tokenizer);
-    ``load_pretrained`` gives back bitwise the same parameters.
+    ``load_pretrained`` gives back bitwise the same parameters (one shared table with an untied
+    output comes back as two equal tables: Marian unties all three then).
 
     Args:
       directory: the output folder (local or ``gs://``), created when missing.

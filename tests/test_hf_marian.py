@@ -39,6 +39,15 @@ VARIANTS = {
         decoder_vocab_size=47,
         tie_word_embeddings=False,
     ),
+    # transformers 5 unties all three tables (encoder, decoder, lm_head) with
+    # tie_word_embeddings=False even when share_encoder_decoder_embeddings=True, and stores an
+    # unused fourth (model.shared); every one is drawn at random, so they all differ.
+    "shared_untied": dict(
+        activation_function="gelu_new",
+        scale_embedding=True,
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -69,7 +78,7 @@ def marian_config(**overrides):
 
 
 # Added to EOS's logit so that, greedily, some rows stop early and others run to the limit.
-EOS_BIAS = {"opus_mt": 3.0, "gelu_unscaled": 5.0, "separate_untied": 3.0}
+EOS_BIAS = {"opus_mt": 3.0, "gelu_unscaled": 5.0, "separate_untied": 3.0, "shared_untied": 3.0}
 EMBED_STD = 0.5
 # Query/key kernels this many times larger sharpen attention, so that what greedy and beam
 # search pick depends on the source (with gain 1 most rows decode to the same few strings).
@@ -145,7 +154,10 @@ def test_config_carries_marian_choices(saved):
         hc.decoder_start_token_id,
         hc.eos_token_id,
     )
-    assert config.share_embeddings == hc.share_encoder_decoder_embeddings
+    # One table only when transformers ties them all; untied, the stacks read their own.
+    assert config.share_embeddings == (
+        hc.share_encoder_decoder_embeddings and hc.tie_word_embeddings
+    )
     assert config.tie_output_embedding == hc.tie_word_embeddings
     assert config.output_vocab_size == hc.decoder_vocab_size
 
@@ -287,3 +299,93 @@ def test_exporting_a_workdir_of_another_architecture_fails_before_reading_it(tmp
     assert not (tmp_path / "out").exists()
     assert hf.main(["--workdir", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     assert "no model_config.json" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- untied tables
+
+
+def test_saved_tensor_names_are_transformers_own(saved, tmp_path):
+    """Our folder holds the tensors MarianMTModel.save_pretrained writes, under its names; with
+    tie_word_embeddings=False those are three different tables (and, with shared embeddings,
+    a fourth that the model never reads)."""
+    from safetensors.numpy import load_file
+
+    name, _, folder, config, params = saved
+    theirs = load_file(folder / "model.safetensors")
+    hf.save_pretrained(str(tmp_path), config, params)
+    assert set(load_file(tmp_path / "model.safetensors")) == set(theirs)
+    tables = {k for k in theirs if "embed_tokens" in k or "lm_head" in k or "shared" in k}
+    expected = {
+        "opus_mt": {"model.shared.weight"},
+        "gelu_unscaled": {"model.shared.weight"},
+        "separate_untied": {
+            "model.encoder.embed_tokens.weight",
+            "model.decoder.embed_tokens.weight",
+            "lm_head.weight",
+        },
+        "shared_untied": {
+            "model.shared.weight",
+            "model.encoder.embed_tokens.weight",
+            "model.decoder.embed_tokens.weight",
+            "lm_head.weight",
+        },
+    }[name]
+    assert tables == expected
+    if "lm_head.weight" in tables:  # untied: the tables the model reads all differ
+        read = [theirs[k] for k in sorted(tables - {"model.shared.weight"})]
+        assert all(
+            a.shape != b.shape or np.abs(a - b).min() > 0 for a in read for b in read if a is not b
+        )
+
+
+def test_one_table_with_an_untied_output_saves_as_transformers_reads_it(tmp_path):
+    """Our share_embeddings=True, tie_output_embedding=False (one input table, its own output
+    projection) is written as shared embeddings with tie_word_embeddings=False: MarianMTModel
+    reads the same table for both stacks, our output kernel as lm_head, and gives our logits;
+    reading the folder back gives the two (equal) tables transformers holds."""
+    model = random_marian("shared_untied", seed=11)
+    model.save_pretrained(tmp_path / "hf")
+    config, params, _ = hf.load_pretrained(str(tmp_path / "hf"))
+    one = config.replace(share_embeddings=True)
+    params = {k: v for k, v in params.items() if k != "target_embedding"}
+    hf.save_pretrained(str(tmp_path / "ours"), one, params)
+    theirs = transformers.MarianMTModel.from_pretrained(str(tmp_path / "ours")).eval()
+    table = params["source_embedding"]["embedding"]
+    for module in (theirs.model.encoder.embed_tokens, theirs.model.decoder.embed_tokens):
+        np.testing.assert_array_equal(module.weight.detach().numpy(), table)
+    np.testing.assert_array_equal(
+        theirs.lm_head.weight.detach().numpy(), params["decoder"]["logits"]["kernel"].T
+    )
+    rng = np.random.default_rng(5)
+    src = padded_rows(rng, 4, 9, one.vocab_size, one.pad_id)
+    tgt = padded_rows(rng, 4, 7, one.vocab_size, one.pad_id)
+    dec_in = np.concatenate([np.full((4, 1), one.bos_id), tgt[:, :-1]], axis=1)
+    with torch.no_grad():
+        expected = theirs(
+            input_ids=torch.from_numpy(src),
+            attention_mask=torch.from_numpy(src != one.pad_id),
+            decoder_input_ids=torch.from_numpy(dec_in),
+        ).logits.numpy()
+    ours = EncoderDecoder(one).apply({"params": params}, src.astype(np.int32), tgt.astype(np.int32))
+    real = tgt != one.pad_id
+    real[:, 0] = True
+    assert np.abs(np.asarray(ours) - expected)[real].max() < 1e-5
+    config2, params2, _ = hf.load_pretrained(str(tmp_path / "ours"))
+    assert config2 == one.replace(share_embeddings=False)
+    np.testing.assert_array_equal(params2["source_embedding"]["embedding"], table)
+    np.testing.assert_array_equal(params2["target_embedding"]["embedding"], table)
+
+
+def test_shared_untied_with_another_decoder_vocabulary_is_refused(saved, tmp_path):
+    """transformers would build a decoder table and lm_head of different vocabularies."""
+    _, _, folder, _, _ = saved
+    bad = json.loads((folder / "config.json").read_text())
+    bad.update(
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=False,
+        decoder_vocab_size=bad["vocab_size"] - 3,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="decoder_vocab_size"):
+        hf.load_pretrained(str(tmp_path))
