@@ -376,9 +376,9 @@ def test_one_table_with_an_untied_output_saves_as_transformers_reads_it(tmp_path
     np.testing.assert_array_equal(params2["target_embedding"]["embedding"], table)
 
 
-def test_shared_untied_with_another_decoder_vocabulary_is_refused(saved, tmp_path):
+def test_shared_untied_with_another_decoder_vocabulary_is_refused(opus, tmp_path):
     """transformers would build a decoder table and lm_head of different vocabularies."""
-    _, _, folder, _, _ = saved
+    _, folder, _, _ = opus
     bad = json.loads((folder / "config.json").read_text())
     bad.update(
         share_encoder_decoder_embeddings=True,
