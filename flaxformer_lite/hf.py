@@ -17,8 +17,8 @@ reads into NumPy (a ``pytorch_model.bin`` needs torch). Parameter names map one 
     model.decoder.layers.i.encoder_attn.*               ->  decoder/layers_i/cross_attention/*
     *.self_attn_layer_norm, *.encoder_attn_layer_norm   ->  {self,cross}_attention_norm
     *.fc1 / fc2 / final_layer_norm                      ->  mlp/wi / mlp/wo / mlp_norm
-    model.shared (or the encoder's embed_tokens)        ->  source_embedding
-    model.decoder.embed_tokens (unshared embeddings)    ->  target_embedding
+    model.shared (all tied; else encoder.embed_tokens)  ->  source_embedding
+    model.decoder.embed_tokens (not all tied)           ->  target_embedding
     lm_head (untied)                                    ->  decoder/logits (transposed)
     final_logits_bias `[1, vocab]`                      ->  decoder/logits_bias `[vocab]`
 
@@ -118,7 +118,18 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int = 1) -> TransformerConf
         )
     vocab = _hf_int(hf, "vocab_size")
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
+    tied = bool(hf.get("tie_word_embeddings", True))
     target_vocab = hf.get("decoder_vocab_size") or vocab
+    # transformers 5: tie_word_embeddings=False unties everything, even with shared
+    # embeddings: the encoder's and decoder's embed_tokens and lm_head are three tensors (the
+    # model's ``shared`` is then unused). That is our separate tables with one vocabulary.
+    if shared and not tied and target_vocab != vocab:
+        raise ValueError(
+            f"config.json has share_encoder_decoder_embeddings=True, tie_word_embeddings=False "
+            f"and decoder_vocab_size={target_vocab} != vocab_size={vocab}: the decoder's "
+            "embedding and lm_head would have different vocabularies; a Marian model has "
+            "decoder_vocab_size equal to vocab_size (or null) there"
+        )
     pad = _hf_int(hf, "pad_token_id")
     return TransformerConfig(
         vocab_size=vocab,
@@ -138,8 +149,8 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int = 1) -> TransformerConf
         position="sinusoidal",
         sinusoid_layout="halves",
         scale_embeddings=bool(hf.get("scale_embedding", False)),
-        share_embeddings=shared,
-        tie_output_embedding=bool(hf.get("tie_word_embeddings", True)),
+        share_embeddings=shared and tied,
+        tie_output_embedding=tied,
         logits_bias=True,
         use_bias=True,
         pad_id=pad,
@@ -149,7 +160,26 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int = 1) -> TransformerConf
     )
 
 
-def _marian_problems(config: TransformerConfig) -> list[str]:
+# What save_pretrained does with each TransformerConfig field (tests/test_hf_marian.py walks
+# every field of the dataclass against its own copy of this classification):
+# - written to config.json: vocab_size, target_vocab_size, d_model, num_heads, d_ff,
+#   num_encoder_layers, num_decoder_layers, dropout_rate, attention_dropout_rate, max_len,
+#   activation, scale_embeddings, share_embeddings, tie_output_embedding, pad_id, bos_id,
+#   eos_id; logits_bias=False is written as a zero final_logits_bias;
+# - refused where Marian cannot express the value (``_marian_problems``): num_kv_heads,
+#   head_dim, activation (gated), norm_position, norm_type, layer_norm_epsilon, position,
+#   sinusoid_layout, use_bias, fused_qkv, num_experts (with moe_every), attention_window,
+#   quantization (unless ``dequantize``);
+# - irrelevant to the saved model (precision, memory, layout, training or the classifier
+#   head, or inert because a refused field is off): dtype, param_dtype,
+#   attention_implementation, remat, scan_layers, num_classes, pooling, unk_id (the
+#   vocabulary's), num_experts_per_token, expert_capacity_factor, moe_aux_loss_weight,
+#   router_z_loss_weight, attention_window_layers, relative_num_buckets,
+#   relative_max_distance.
+MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; MarianConfig has no field
+
+
+def _marian_problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str]:
     """What keeps ``config`` from being written as a Marian model (empty when nothing)."""
     wanted = {
         "norm_position": "post",
@@ -158,12 +188,13 @@ def _marian_problems(config: TransformerConfig) -> list[str]:
         "sinusoid_layout": "halves",
         "use_bias": True,
         "fused_qkv": False,
-        "attention_implementation": "xla",
+        "layer_norm_epsilon": MARIAN_LAYER_NORM_EPSILON,
+        "attention_window": None,
     }
     problems = [
         f"{name}={getattr(config, name)!r} (Marian: {value!r})"
         for name, value in wanted.items()
-        if getattr(config, name) != value and name != "attention_implementation"
+        if getattr(config, name) != value
     ]
     if config.activation not in TO_HF_ACTIVATION:
         problems.append(
@@ -176,17 +207,42 @@ def _marian_problems(config: TransformerConfig) -> list[str]:
             f"head_dim={config.head_dim} (Marian: d_model / num_heads = "
             f"{config.d_model / config.num_heads:g}, or None)"
         )
+    layers = max(config.num_encoder_layers, config.num_decoder_layers)
+    if any(config.is_moe_layer(i) for i in range(layers)):
+        problems.append(
+            f"num_experts={config.num_experts} with moe_every={config.moe_every} (Marian: "
+            "dense feed-forward layers, num_experts=0)"
+        )
+    if config.quantization is not None and not dequantize:
+        problems.append(
+            f"quantization={config.quantization!r} (Marian: float weights, None; "
+            "dequantize=True, or --dequantize, writes the int8 weights as float32 q * scale)"
+        )
     return problems
 
 
-def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
+def _hf_shared(config: TransformerConfig) -> bool:
+    """Marian's ``share_encoder_decoder_embeddings`` for ``config``: True for one table, and
+    for separate tables of one vocabulary with an untied output (transformers 5 unties all
+    three tables then; ``config_from_hf`` reads that back as separate tables)."""
+    if config.share_embeddings:
+        return True
+    return not config.tie_output_embedding and config.target_vocab_size is None
+
+
+def config_to_hf(config: TransformerConfig, *, dequantize: bool = False) -> dict[str, Any]:
     """The Marian ``config.json`` dict of ``config``.
+
+    ``dequantize``: accept ``quantization="int8"`` (the weights are then written as float32;
+    see ``save_pretrained``).
 
     Raises:
       ValueError: ``config`` is not a Marian architecture (e.g. pre-LN, rotary, interleaved
-        sinusoids, grouped-query attention), listing every field that differs.
+        sinusoids, grouped-query attention, LayerNorm epsilon other than 1e-5, a local
+        attention window, mixture-of-experts layers, int8 weights), listing every field that
+        differs.
     """
-    problems = _marian_problems(config)
+    problems = _marian_problems(config, dequantize=dequantize)
     if problems:
         raise ValueError(
             "save_pretrained writes Marian models; this TransformerConfig differs in: "
@@ -197,7 +253,7 @@ def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
         "model_type": "marian",
         "vocab_size": config.vocab_size,
         "decoder_vocab_size": config.output_vocab_size,
-        "share_encoder_decoder_embeddings": config.share_embeddings,
+        "share_encoder_decoder_embeddings": _hf_shared(config),
         "tie_word_embeddings": config.tie_output_embedding,
         "d_model": config.d_model,
         "encoder_layers": config.num_encoder_layers,
@@ -340,14 +396,17 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: TransformerC
             params.setdefault(stack, {})[f"layers_{i}"] = layer
 
     vocab, target_vocab = config.vocab_size, config.output_vocab_size
-    source_names = ["model.shared.weight", "model.encoder.embed_tokens.weight"]
-    target_names = ["model.decoder.embed_tokens.weight"]
-    if config.share_embeddings:
-        source_names += target_names + ["lm_head.weight"]
-    params["source_embedding"] = {"embedding": first(source_names, (vocab, d))}
-    if not config.share_embeddings:
-        target_names += [] if not config.tie_output_embedding else ["lm_head.weight"]
-        params["target_embedding"] = {"embedding": first(target_names, (target_vocab, d))}
+    if config.share_embeddings:  # one table, stored under any of its tied names
+        names = ["model.shared.weight", "model.encoder.embed_tokens.weight"]
+        names += ["model.decoder.embed_tokens.weight", "lm_head.weight"]
+        params["source_embedding"] = {"embedding": first(names, (vocab, d))}
+    else:  # the tables each stack reads (``model.shared``, if any, is not one of them)
+        params["source_embedding"] = {
+            "embedding": take("model.encoder.embed_tokens.weight", (vocab, d))
+        }
+        names = ["model.decoder.embed_tokens.weight"]
+        names += ["lm_head.weight"] if config.tie_output_embedding else []
+        params["target_embedding"] = {"embedding": first(names, (target_vocab, d))}
     if not config.tie_output_embedding:
         params["decoder"]["logits"] = {"kernel": take("lm_head.weight", (target_vocab, d)).T}
     bias = state.get("final_logits_bias")
@@ -357,7 +416,9 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: TransformerC
         else take("final_logits_bias", (1, target_vocab))[0]
     )
     _check_positions(state, config)
-    # Tied copies of the embedding and the position tables carry nothing new.
+    # Tied copies of the embedding and the position tables carry nothing new; with separate
+    # tables, MarianMTModel does not read ``model.shared`` (share_encoder_decoder_embeddings
+    # with tie_word_embeddings=False still stores it).
     redundant = {
         "model.shared.weight",
         "model.encoder.embed_tokens.weight",
@@ -373,22 +434,46 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], config: TransformerC
     return params
 
 
-def _plain(params: Any, config: TransformerConfig) -> tuple[Params, TransformerConfig]:
-    """Unboxed, unrolled, float32 NumPy parameters."""
+def _plain(
+    params: Any, config: TransformerConfig, dequantize: bool = False
+) -> tuple[Params, TransformerConfig]:
+    """Unboxed, unrolled, float32 NumPy parameters (int8 ones dequantized if ``dequantize``)
+    and the float, unrolled config they belong to."""
     import flax.linen as nn
     import jax
 
     from flaxformer_lite.models import unrolled
+    from flaxformer_lite.quantize import dequantize_params
 
     params, config = unrolled(nn.meta.unbox(params), config)
+    if config.quantization is not None:
+        if not dequantize:
+            raise ValueError(
+                f"config.quantization={config.quantization!r}: a Marian model has float "
+                "weights; pass dequantize=True to write the int8 weights as float32"
+            )
+        params, config = dequantize_params(params), config.replace(quantization=None)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if np.issubdtype(np.asarray(leaf).dtype, np.integer):
+            raise ValueError(
+                f"params{jax.tree_util.keystr(path)} is {np.asarray(leaf).dtype}, but "
+                f"config.quantization is {config.quantization!r}: pass the config the "
+                "parameters were quantized for (quantization='int8') and dequantize=True"
+            )
     params = jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=np.float32), params)
     return params, config
 
 
-def state_dict_from_params(params: Any, config: TransformerConfig) -> dict[str, np.ndarray]:
+def state_dict_from_params(
+    params: Any, config: TransformerConfig, *, dequantize: bool = False
+) -> dict[str, np.ndarray]:
     """The Marian state dict (Hugging Face names -> float32 NumPy arrays) of our parameters,
-    the inverse of ``params_from_state_dict``: boxed or plain, scanned or unrolled."""
-    params, config = _plain(params, config)
+    the inverse of ``params_from_state_dict``: boxed or plain, scanned or unrolled.
+
+    ``dequantize``: ``config.quantization="int8"`` parameters (``quantize.quantize_params``)
+    are written as float32 ``q * scale`` (``quantize.dequantize_params``); without it they are
+    refused (ValueError), as are integer parameters under a float config."""
+    params, config = _plain(params, config, dequantize)
     d = config.d_model
     state: dict[str, np.ndarray] = {}
     for stack, prefix, layers in _stack_names(config):
@@ -415,11 +500,14 @@ def state_dict_from_params(params: Any, config: TransformerConfig) -> dict[str, 
                     state[f"{base}.weight"] = block["kernel"].T
                     state[f"{base}.bias"] = block["bias"]
     source = params["source_embedding"]["embedding"]
-    if config.share_embeddings:
-        state["model.shared.weight"] = source
-        target = source
+    if config.share_embeddings and config.tie_output_embedding:
+        state["model.shared.weight"] = source  # the tied copies are not stored
     else:
-        target = params["target_embedding"]["embedding"]
+        target = source if config.share_embeddings else params["target_embedding"]["embedding"]
+        if _hf_shared(config):
+            # transformers 5 stores (and never reads) ``model.shared`` when the tables are
+            # untied; the same names as its own save_pretrained, so nothing is reported missing.
+            state["model.shared.weight"] = source
         state["model.encoder.embed_tokens.weight"] = source
         state["model.decoder.embed_tokens.weight"] = target
     if not config.tie_output_embedding:
@@ -564,13 +652,15 @@ def save_pretrained(
     tokenizer: Any = None,
     *,
     generation: Mapping[str, Any] | None = None,
+    dequantize: bool = False,
 ) -> None:
     """Writes a Hugging Face Marian folder: ``config.json``, ``generation_config.json``,
     ``model.safetensors`` (float32) and, when given, the tokenizer's files.
 
     ``transformers.MarianMTModel.from_pretrained`` and CTranslate2's
     ``ct2-transformers-converter`` read the result (the converter needs the tokenizer);
-    ``load_pretrained`` gives back bitwise the same parameters.
+    ``load_pretrained`` gives back bitwise the same parameters (one shared table with an untied
+    output comes back as two equal tables: Marian unties all three then).
 
     Args:
       directory: the output folder (local or ``gs://``), created when missing.
@@ -580,14 +670,20 @@ def save_pretrained(
         target.spm, vocab.json, tokenizer_config.json), or None.
       generation: decoding defaults for generation_config.json (e.g. ``num_beams``,
         ``length_penalty``, ``max_length``).
+      dequantize: write an int8 model (``config.quantization="int8"``, parameters from
+        ``quantize.quantize_params``) as the float32 model of its dequantized weights
+        (``q * scale``; a tied embedding's int8 copy is dropped, its float table kept):
+        Marian has no int8 weights, so without this flag such a model is refused. No effect
+        on a float model.
 
     Raises:
-      ValueError: ``config`` is not a Marian architecture (the differing fields are named).
+      ValueError: ``config`` is not a Marian architecture, or is int8 without ``dequantize``
+        (the differing fields are named); nothing is written then.
     """
     from safetensors.numpy import save as save_safetensors
 
-    hf = config_to_hf(config)  # fails before anything is written
-    state = state_dict_from_params(params, config)
+    hf = config_to_hf(config, dequantize=dequantize)  # fails before anything is written
+    state = state_dict_from_params(params, config, dequantize=dequantize)
     root = paths.resolve(directory)
     paths.makedirs(root)
     paths.write_atomic(root / "config.json", json.dumps(hf, indent=2, sort_keys=True) + "\n")
@@ -611,16 +707,23 @@ def save_pretrained(
 
 
 def export_workdir(
-    workdir: str, directory: str, *, step: int | None = None, average: int = 1
+    workdir: str,
+    directory: str,
+    *,
+    step: int | None = None,
+    average: int = 1,
+    dequantize: bool = False,
 ) -> TransformerConfig:
     """Writes a train.py workdir (e.g. a Marian model fine-tuned with
     configs/finetune_marian.py) as a Hugging Face Marian folder: its ``model_config.json``, the
     parameters of checkpoint ``step`` (default the latest; ``average`` > 1: the mean of that
     many last checkpoints) and, when the workdir holds one, its Marian tokenizer.
+    ``dequantize``: an int8 model is written dequantized (see ``save_pretrained``).
 
     Raises:
       FileNotFoundError: no workdir, model_config.json or checkpoint.
-      ValueError: the model is not a Marian architecture (the differing fields are named).
+      ValueError: the model is not a Marian architecture, or int8 without ``dequantize``, or
+        int8 with ``average`` > 1 (the differing fields are named).
     """
     from flaxformer_lite.checkpoints import choose_steps
     from flaxformer_lite.inference import Translator, average_params
@@ -630,11 +733,17 @@ def export_workdir(
     if not config_path.is_file():
         raise FileNotFoundError(f"no model_config.json in {workdir}: is it a train.py workdir?")
     config = TransformerConfig.from_json(config_path.read_text())
-    config_to_hf(config)  # a non-Marian model fails here, before the checkpoint is read
+    # A non-Marian model fails here, before the checkpoint is read.
+    config_to_hf(config, dequantize=dequantize)
+    if config.quantization is not None and average != 1:
+        raise ValueError(
+            f"average={average} with quantization={config.quantization!r}: int8 values with "
+            "different scales cannot be averaged; export one checkpoint (average=1)"
+        )
     checkpoints = str(root / "checkpoints")
     steps = choose_steps(checkpoints, step=step, average=average)
     params = average_params(checkpoints, steps, Translator.abstract_params(config))
-    save_pretrained(directory, config, params, _load_tokenizer(root))
+    save_pretrained(directory, config, params, _load_tokenizer(root), dequantize=dequantize)
     return config
 
 
@@ -652,6 +761,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder (local or gs://)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
     parser.add_argument("--average", type=int, default=1, help="average the last N checkpoints")
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="write an int8 model (quantization='int8') as float32 q * scale weights "
+        "(Marian has no int8 weights; without this flag an int8 model is refused)",
+    )
     args = parser.parse_args(argv)
     if args.average < 1:
         parser.error(f"argument --average: must be >= 1; got {args.average}")
@@ -659,7 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {args.out} is a file; give a folder")
     try:
-        config = export_workdir(args.workdir, args.out, step=args.step, average=args.average)
+        config = export_workdir(
+            args.workdir, args.out, step=args.step, average=args.average, dequantize=args.dequantize
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ places it with the same logical axes).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -122,6 +123,29 @@ def _quantize(tree: Any, parent: str) -> Any:
             out[name] = _quantize(value, name)
         elif name in _KERNELS and parent in _IN_AXES:
             out[name], out[name + SCALE_SUFFIX] = quantize_weight(value, _IN_AXES[parent])
+        else:
+            out[name] = value
+    return out
+
+
+def dequantize_params(params: Any) -> Any:
+    """The float parameter tree of a ``quantize_params`` tree (nested dicts, unboxed): every
+    int8 kernel with a ``<name>_scale`` sibling becomes float32 ``q * scale`` (the scale
+    broadcast over the kernel's input axes) and loses its scale; a tied embedding's
+    ``attend_kernel`` (an int8 copy of the float table that the tree keeps) is dropped.
+    Everything else is returned unchanged, so a float tree comes back as it was. The result
+    has the names and shapes of the float model's tree (``quantization=None``)."""
+    out = {}
+    for name, value in params.items():
+        if name.startswith("attend_kernel") or (
+            name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in params
+        ):
+            continue
+        if isinstance(value, Mapping):
+            out[name] = dequantize_params(value)
+        elif name + SCALE_SUFFIX in params:
+            scale = np.asarray(params[name + SCALE_SUFFIX], np.float32)
+            out[name] = np.asarray(value, np.float32) * scale
         else:
             out[name] = value
     return out

@@ -199,7 +199,12 @@ def test_head_dim_round_trips_through_json_and_older_configs_load():
 
 def test_marian_export_refuses_a_head_dim_apart_from_d_model_over_heads():
     marian = TransformerConfig(
-        vocab_size=40, d_model=32, num_heads=4, sinusoid_layout="halves", activation="silu"
+        vocab_size=40,
+        d_model=32,
+        num_heads=4,
+        sinusoid_layout="halves",
+        activation="silu",
+        layer_norm_epsilon=1e-5,
     )
     hf.config_to_hf(marian)  # a Marian architecture
     hf.config_to_hf(marian.replace(head_dim=8))  # 8 = 32 / 4: the same model

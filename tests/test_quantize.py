@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -20,7 +21,12 @@ from flaxformer_lite import translate  # noqa: E402
 from flaxformer_lite.config import TransformerConfig  # noqa: E402
 from flaxformer_lite.inference import Translator  # noqa: E402
 from flaxformer_lite.models import EncoderClassifier, EncoderDecoder  # noqa: E402
-from flaxformer_lite.quantize import int8_matmul, quantize_params, quantize_weight  # noqa: E402
+from flaxformer_lite.quantize import (  # noqa: E402
+    dequantize_params,
+    int8_matmul,
+    quantize_params,
+    quantize_weight,
+)
 from tests.test_inference import tiny_config  # noqa: E402
 
 
@@ -96,6 +102,22 @@ def test_int8_model_matches_its_float_self(overrides):
     )
     shapes = lambda t: jax.tree_util.tree_map(lambda x: (x.shape, jnp.dtype(x.dtype)), t)  # noqa: E731
     assert shapes(nn.meta.unbox(abstract["params"])) == shapes(params_q)
+    # dequantize_params: back to the float model's tree, each quantized weight within half a
+    # step of its float original (q * scale), everything else (tables, norms, biases) as it was.
+    float_q = traverse_util.flatten_dict(params_q)
+    deq = traverse_util.flatten_dict(dequantize_params(params_q))
+    flat = traverse_util.flatten_dict(params)
+    assert shapes(deq) == shapes(flat)
+    quantized = 0
+    for path, w in flat.items():
+        scale = float_q.get((*path[:-1], path[-1] + "_scale"))
+        if scale is None:
+            np.testing.assert_array_equal(deq[path], w)
+        else:
+            quantized += 1
+            assert np.all(np.abs(deq[path] - np.asarray(w)) <= scale / 2 * (1 + 1e-6))
+            np.testing.assert_array_equal(deq[path], float_q[path].astype(np.float32) * scale)
+    assert quantized >= 10
     logits = EncoderDecoder(config).apply({"params": params}, tokens, tokens)
     logits_q = EncoderDecoder(config_q).apply({"params": params_q}, tokens, tokens)
     # Per matmul the bound above is, relative to |x|_1 max|w|, at most 1/254 + 1/254 (+ a
