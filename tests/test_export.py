@@ -459,6 +459,9 @@ EXPORT_SENTENCES = [
     "red bikes",
     "the cat sleeps on a red mat in the sun",
     "two women walk",
+    "a dog",  # short sources: a per-row limit of 1.5 x source + 10 would cut them sooner
+    "red",
+    "a man",
 ]
 
 
@@ -521,7 +524,7 @@ def finetuned_workdir(work: Path, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def sources(model, tmp_path_factory):
     """{kind: a folder to export}: the plain train.py workdir, a fine-tuned Marian workdir and
-    a Hugging Face folder with opus-mt's generation config (beam 4, max_length 9, forced EOS,
+    a Hugging Face folder with opus-mt's generation config (beam 4, max_length 21, forced EOS,
     PAD banned, renormalised). PAD's logits bias is raised so that banning it matters."""
     pytest.importorskip("torch", reason="the Marian model is built in PyTorch (test extra)")
     pytest.importorskip("transformers", reason="MarianMTModel (test extra)")
@@ -530,7 +533,7 @@ def sources(model, tmp_path_factory):
     folder, _ = marian_dir(root / "marian", work / "spm_shared.model", 2, 2.0, 5.5)
     generation = json.loads((folder / "generation_config.json").read_text())
     pad = generation["pad_token_id"]
-    generation.update(num_beams=4, max_length=9, bad_words_ids=[[pad]], renormalize_logits=True)
+    generation.update(num_beams=4, max_length=21, bad_words_ids=[[pad]], renormalize_logits=True)
     (folder / "generation_config.json").write_text(json.dumps(generation))
     tuned = finetuned_workdir(root / "finetuned", folder)
     return {"workdir": work, "finetuned": tuned, "hf_folder": folder}
