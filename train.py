@@ -723,6 +723,12 @@ def train_and_evaluate(
         run_json = config.to_json_best_effort(indent=2)
         paths.write_atomic(os.path.join(workdir, "config.json"), run_json)
         paths.write_atomic(os.path.join(workdir, "model_config.json"), cfg.to_json())
+        generation_path = os.path.join(workdir, "generation_config.json")
+        if config.get("init_from") and not paths.resolve(generation_path).is_file():
+            # The pretrained model's decoding defaults, kept for hf.export_workdir.
+            generation = init_from.generation_config(config.init_from)
+            if generation is not None:
+                paths.write_atomic(generation_path, json.dumps(generation, indent=2) + "\n")
 
     # Optimizer, mesh, and the train state initialised directly into its shards.
     schedule, tx = make_optimizer(config, cfg.d_model)

@@ -639,6 +639,7 @@ def beam_search(
     forced_eos: bool = False,
     banned_ids: tuple[int, ...] = (),
     reorder_cache: Callable[[PyTree, jax.Array], PyTree] | None = None,
+    renormalize: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with live and finished hypotheses kept apart, under GNMT's rules (the
     default) or those of Hugging Face's ``generate(num_beams=beam_size)``.
@@ -699,6 +700,10 @@ def beam_search(
       forced_eos: static; at its limit a hypothesis can only end with EOS, which then adds 0
         to its log-prob (Hugging Face's ``forced_eos_token_id``).
       banned_ids: static ids that no hypothesis contains (single-token ``bad_words_ids``).
+      renormalize: static; the constrained next-token log-probs are normalised again (a
+        ``log_softmax`` after ``banned_ids`` and ``forced_eos``), as Hugging Face's
+        ``renormalize_logits=True`` (opus-mt's generation config) does. Without it the mass
+        of the banned ids is simply lost, as in ``generate``'s default.
       reorder_cache: optional ``(cache, parents) -> cache``, see above (None: tile and gather
         every leaf).
 
@@ -765,6 +770,8 @@ def beam_search(
             forced_eos=forced_eos,
             banned_ids=banned_ids,
         )
+        if renormalize:  # Hugging Face's LogitNormalization, the last logits processor
+            logp = jax.nn.log_softmax(logp, axis=-1)
         cand = state["live_logp"][:, :, None] + logp
         cand = cand.reshape(batch_size, k * vocab)
 

@@ -105,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_lines(args.output, hypotheses)
     # References are compared as detokenized text, whitespace-normalised as in training.
     report = bleu_report(hypotheses, [" ".join(r.split()) for r in references])
-    print(f"{translator.name}: {report['num_sentences']} sentences, method {args.method}")
+    method = args.method or translator.method
+    print(f"{translator.name}: {report['num_sentences']} sentences, method {method}")
     # str(BLEUScore) is "BLEU = 34.80 65.1/40.2/26.9/18.2 (BP = ... ref_len = ...)".
     print(f"cased:      {report['bleu']}")
     print(f"signature:  {report['signature']}")
@@ -117,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "workdir": args.workdir,
             "checkpoint": translator.name,
             "average": args.average,
-            "method": args.method,
+            "method": args.method or translator.method,
             "quantize": args.quantize,
             "beam_size": translator.beam_size if args.beam_size is None else args.beam_size,
             "alpha": translator.alpha if args.alpha is None else args.alpha,

@@ -5,12 +5,17 @@
 
 ``--workdir`` is a ``train.py`` workdir (``model_config.json``, checkpoints, SentencePiece
 vocabulary) or a Hugging Face Marian folder (``config.json``, ``model.safetensors``,
-``source.spm``, ``target.spm``, ``vocab.json``), decoded as ``MarianMTModel.generate`` decodes
-with the folder's generation defaults (:func:`hf_decoding_options`). The output folder holds
-the serialized program (``translate.jax``), the parameters (``params.npz``, names =
-``/``-joined paths), the vocabulary files, ``manifest.json`` and ``runtime.py`` (a copy of
-``serving_runtime``), which loads it all with jax, numpy and sentencepiece alone: no
-flaxformer_lite, flax or optax at serving time.
+``source.spm``, ``target.spm``, ``vocab.json``). Either way the artifact decodes as
+``Translator.from_pretrained(workdir).translate`` does: the same method, beam size, length
+penalty, search options (a fine-tuned run's Hugging Face rules, forced EOS and banned pad; a
+folder's generation config) and length limits (a workdir's per-row ``1.5 * source + 10``, a
+folder's ``max_length``). The output folder holds the serialized program (``translate.jax``),
+the parameters (``params.npz``, names = ``/``-joined paths), the vocabulary files,
+``manifest.json``, ``README.md`` and ``runtime.py`` (a copy of ``serving_runtime``), which
+loads it all without flaxformer_lite, flax or optax: the packages it needs are
+``serving_runtime.REQUIREMENTS`` (jax and what jax imports, sentencepiece, and flatbuffers,
+which jax.export's deserializer needs but jax does not install), pinned in the manifest's
+``requirements``.
 
 The program is ``generate_jit`` itself (encoder once, then the cached greedy or beam search of
 ``decoding``) traced once with a symbolic batch size and source length
@@ -36,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite import hf, paths, serving_runtime, sharding
+from flaxformer_lite import paths, serving_runtime, sharding
 from flaxformer_lite.config import TransformerConfig
 from flaxformer_lite.generate import check_decode_len, generate_jit
 from flaxformer_lite.inference import Translator
@@ -107,7 +112,8 @@ def export_function(
     ``(tokens int32 [b, max_len], scores float32 [b])`` for any ``b >= 1`` and
     ``1 <= s <= config.max_len``; ``params`` are only read for their shapes and dtypes.
     ``decoding``: further static options of ``generate_jit`` (``beam_style``,
-    ``early_stopping``, ``forced_eos``, ``banned_ids``), e.g. :func:`hf_decoding_options`.
+    ``early_stopping``, ``forced_eos``, ``banned_ids``, ``renormalize``), e.g. a
+    ``Translator``'s ``search_options``; the beam-only ones are dropped for greedy.
 
     Raises:
       ValueError: ``method`` not one of ``EXPORT_METHODS``, a ``beam_size`` that is not a
@@ -123,6 +129,8 @@ def export_function(
         decoding["banned_ids"] = tuple(int(i) for i in decoding["banned_ids"])
     if method == "greedy":  # options the method ignores: fixed, as Translator fixes them
         beam_size, alpha = 1, 0.0
+        for name in ("beam_style", "early_stopping", "renormalize"):
+            decoding.pop(name, None)
     mesh = _one_device_mesh()
 
     def translate(params, source_ids, row_max_len):
@@ -146,6 +154,28 @@ def export_function(
         jax.ShapeDtypeStruct((batch,), jnp.int32),
     )
     return jax.export.export(jax.jit(translate), platforms=platforms)(*specs)
+
+
+def requirements() -> list[str]:
+    """``serving_runtime.REQUIREMENTS`` pinned to the versions installed here (pip names)."""
+    from importlib import metadata
+
+    return [f"{name}=={metadata.version(name)}" for name in serving_runtime.REQUIREMENTS]
+
+
+def _readme(manifest: Mapping[str, Any]) -> str:
+    return (
+        "# flaxformer_lite serving artifact\n\n"
+        f"Needs Python with: `pip install {' '.join(manifest['requirements'])}`\n"
+        "(no flaxformer_lite, flax or optax).\n\n"
+        "```python\nimport sys; sys.path.insert(0, ARTIFACT)\nimport runtime\n"
+        'model = runtime.load(ARTIFACT)\nmodel.translate(["A dog runs."])\n```\n\n'
+        f"Decoding: {manifest['method']}, beam size {manifest['beam_size']}, alpha "
+        f"{manifest['alpha']}, options {manifest['decoding']}, at most {manifest['max_len']} "
+        "tokens per row"
+        + (" (1.5 x source + 10 when less)" if manifest["per_row_limit"] else "")
+        + ". See manifest.json.\n"
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -176,6 +206,7 @@ def export_model(
     platforms: Sequence[str] | None = None,
     decoding: Mapping[str, Any] | None = None,
     source: str = "",
+    per_row_limit: bool = True,
 ) -> dict[str, Any]:
     """Writes the serving artifact of an EncoderDecoder to the local folder ``out_dir``.
 
@@ -186,6 +217,9 @@ def export_model(
       method, beam_size, alpha, max_len, platforms, decoding: as :func:`export_function`.
       batch_size: the rows per call ``runtime.translate`` pads to (one compiled shape).
       source: where the model came from, for the manifest.
+      per_row_limit: ``runtime.translate`` gives each row ``min(max_len, 1.5 * source +
+        10)`` tokens (a workdir's ``Translator``); False: ``max_len`` tokens for every row (a
+        Hugging Face folder's ``max_length``).
 
     Returns:
       the manifest (also written as ``manifest.json``).
@@ -196,6 +230,8 @@ def export_model(
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    if not isinstance(per_row_limit, bool):
+        raise ValueError(f"per_row_limit must be True or False; got {per_row_limit!r}")
     kind, files = vocabulary_files(vocabulary_dir)
     params = jax.tree_util.tree_map(np.asarray, params)
     exported = export_function(
@@ -223,9 +259,12 @@ def export_model(
         "beam_size": beam_size if method == "beam" else 1,
         "alpha": float(alpha) if method == "beam" else 0.0,
         "decoding": {
-            k: list(v) if isinstance(v, tuple) else v for k, v in (decoding or {}).items()
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in (decoding or {}).items()
+            if method == "beam" or k not in ("beam_style", "early_stopping", "renormalize")
         },
         "max_len": check_decode_len(config, max_len),
+        "per_row_limit": per_row_limit,
         "max_source_len": config.max_len,
         "batch_size": batch_size,
         "ids": {
@@ -243,47 +282,31 @@ def export_model(
         ),
         "calling_convention_version": exported.calling_convention_version,
         "versions": _versions(),
+        "requirements": requirements(),
     }
     (out / serving_runtime.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / "README.md").write_text(_readme(manifest))
     return manifest
 
 
 def export_translator(
     translator: Translator, out_dir: str, vocabulary_dir: str, **options: Any
 ) -> dict[str, Any]:
-    """:func:`export_model` of a ``Translator``'s parameters and config; ``beam_size`` and
-    ``alpha`` default to the translator's. ``vocabulary_dir``: the folder of its vocabulary
-    files (its workdir)."""
+    """:func:`export_model` of a ``Translator``'s parameters and config, decoding as its
+    ``translate`` does by default: ``method``, ``beam_size``, ``alpha``, ``decoding`` (its
+    ``search_options``), ``max_len`` and ``per_row_limit`` (whether it has no ``max_len`` of
+    its own) default to the translator's. ``vocabulary_dir``: the folder of its vocabulary
+    files (its workdir or Hugging Face folder)."""
+    options.setdefault("method", translator.method)
     options.setdefault("beam_size", translator.beam_size)
     options.setdefault("alpha", translator.alpha)
+    options.setdefault("decoding", translator.search_options)
+    if translator.max_len is not None:
+        options.setdefault("max_len", translator.max_len)
+    options.setdefault("per_row_limit", translator.max_len is None)
     options.setdefault("source", translator.name)
     params = jax.device_get(translator.params)
     return export_model(params, translator.config, out_dir, vocabulary_dir, **options)
-
-
-def hf_decoding_options(root: Any) -> dict[str, Any]:
-    """``generate`` options that decode as ``MarianMTModel.generate`` with the defaults of the
-    Hugging Face folder ``root``: Hugging Face's beam rules (``beam_style="hf"``, ``alpha`` =
-    ``length_penalty``, ``early_stopping``), ``forced_eos`` when it sets
-    ``forced_eos_token_id``, ``banned_ids`` = its single-token ``bad_words_ids``, and
-    ``beam_size`` = ``num_beams`` (4 when unset)."""
-    defaults = hf.generation_defaults(str(root))
-    forced = None
-    for name in ("config.json", "generation_config.json"):  # the latter wins
-        if (root / name).is_file():
-            forced = json.loads((root / name).read_text()).get("forced_eos_token_id", forced)
-    return {
-        "beam_size": int(defaults.get("num_beams", 4)),
-        "alpha": float(defaults.get("length_penalty", 1.0)),
-        "decoding": {
-            "beam_style": "hf",
-            "early_stopping": defaults.get("early_stopping", False),
-            "forced_eos": forced is not None,
-            "banned_ids": tuple(
-                ids[0] for ids in defaults.get("bad_words_ids", []) if len(ids) == 1
-            ),
-        },
-    }
 
 
 def _is_hf_dir(root: Any) -> bool:
@@ -291,9 +314,10 @@ def _is_hf_dir(root: Any) -> bool:
 
 
 def export_workdir(workdir: str, out_dir: str, **options: Any) -> dict[str, Any]:
-    """:func:`export_model` of a ``train.py`` workdir (latest checkpoint, its beam size and
-    alpha) or of a Hugging Face Marian folder (decoding as ``MarianMTModel.generate`` with the
-    folder's defaults: :func:`hf_decoding_options`; explicit ``options`` win).
+    """:func:`export_translator` of ``Translator.from_pretrained(workdir)``: a ``train.py``
+    workdir (latest checkpoint, decoding as its Translator: the run's beam size, alpha and
+    search options) or a Hugging Face Marian folder (decoding as ``MarianMTModel.generate``
+    with the folder's generation config); explicit ``options`` win.
 
     Raises:
       FileNotFoundError: ``workdir`` does not exist, or lacks the model, weights or
@@ -306,15 +330,11 @@ def export_workdir(workdir: str, out_dir: str, **options: Any) -> dict[str, Any]
             f"workdir {workdir} does not exist; give a train.py workdir or a Hugging Face "
             "Marian folder"
         )
-    if not _is_hf_dir(root):
-        translator = Translator.from_workdir(workdir)
-        return export_translator(translator, out_dir, workdir, **options)
     vocabulary_files(workdir)  # before the weights are read
-    config, params, _ = hf.load_pretrained(workdir)  # the runtime maps pieces itself
-    for name, value in hf_decoding_options(root).items():
-        options.setdefault(name, value)
-    options.setdefault("source", str(root))
-    return export_model(params, config, out_dir, workdir, **options)
+    if _is_hf_dir(root):
+        options.setdefault("source", str(root))
+    translator = Translator.from_pretrained(workdir)
+    return export_translator(translator, out_dir, workdir, **options)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -326,7 +346,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--workdir", required=True, help="train.py workdir or Hugging Face Marian folder"
     )
     parser.add_argument("--out", required=True, help="output folder (local)")
-    parser.add_argument("--method", choices=EXPORT_METHODS, default="beam")
+    parser.add_argument(
+        "--method",
+        choices=EXPORT_METHODS,
+        default=None,
+        help="default: the model's (its Translator's: beam for a workdir; a Hugging Face "
+        "folder's generate: greedy unless num_beams > 1)",
+    )
     parser.add_argument(
         "--beam-size", type=int, default=None, help="beams (default: the model's, else 4)"
     )
@@ -357,12 +383,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    options: dict[str, Any] = dict(method=args.method, batch_size=args.batch_size)
+    options: dict[str, Any] = dict(batch_size=args.batch_size)
     options.update(
         {
             k: v
             for k, v in dict(
-                beam_size=args.beam_size, alpha=args.alpha, max_len=args.max_len
+                method=args.method,
+                beam_size=args.beam_size,
+                alpha=args.alpha,
+                max_len=args.max_len,
             ).items()
             if v is not None
         }

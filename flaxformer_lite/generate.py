@@ -49,6 +49,7 @@ STATIC_ARGNAMES = (
     "early_stopping",
     "forced_eos",
     "banned_ids",
+    "renormalize",
     "temperature",
     "top_k",
     "top_p",
@@ -157,6 +158,7 @@ def _search(
     row_max_len,
     config,
     reorder_cache=None,
+    renormalize=False,
 ):
     # The model's own ids: decoding starts from the decoder-start token it was trained behind,
     # stops at its EOS and pads with its PAD (all default to special_ids).
@@ -203,6 +205,7 @@ def _search(
         early_stopping=early_stopping,
         initial_tokens=initial_tokens,
         reorder_cache=reorder_cache,
+        renormalize=renormalize,
         **ids,
     )
     return sequences[:, 0], scores[:, 0]
@@ -446,6 +449,7 @@ def generate_jit(
     rng: jax.Array | None = None,
     row_max_len: jax.Array | None = None,
     beam_cache: str = "in_place",
+    renormalize: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The one jitted call of :func:`generate`: ``inputs`` `[padded_rows, src_len]` (a multiple
     of the data axes) and optional ``row_max_len`` `[padded_rows]`, the first ``rows`` of the
@@ -471,6 +475,7 @@ def generate_jit(
         top_k=top_k,
         top_p=top_p,
         rng=rng,
+        renormalize=renormalize,
     )
     model = EncoderDecoder(config)
     batch_size = inputs.shape[0]
@@ -530,6 +535,7 @@ def continue_prompt_jit(
     top_p: float = 1.0,
     rng: jax.Array | None = None,
     beam_cache: str = "in_place",
+    renormalize: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The one jitted call of :func:`continue_prompt` (see :func:`generate_jit`)."""
     _check_method(method, beam_cache)
@@ -550,6 +556,7 @@ def continue_prompt_jit(
         top_k=top_k,
         top_p=top_p,
         rng=rng,
+        renormalize=renormalize,
     )
     bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
     context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
@@ -607,6 +614,7 @@ def generate(
     rng: jax.Array | None = None,
     row_max_len: Any = None,
     beam_cache: str = "in_place",
+    renormalize: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Translates a batch of source token ids with an ``EncoderDecoder``.
 
@@ -635,6 +643,9 @@ def generate(
         the limits of the other rows; ``max_len`` is then the output width. Host values, or
         a global array whose rows follow those of ``inputs`` (multi-process). A traced
         argument: other limits do not compile again.
+      renormalize: beam search only: log-softmax the constrained log-probs again, as Hugging
+        Face's ``renormalize_logits=True`` (``decoding.beam_search``); greedy and sampling
+        choices do not change with it.
       beam_cache: one of :data:`BEAM_CACHES`: "in_place" (default) decodes beams over a cache
         that never moves and one cross-attention entry per source (``beam_cache`` module,
         sliding windows and relative positions included); "reorder" gathers every cache row
@@ -655,6 +666,8 @@ def generate(
     _check_method(method, beam_cache)
     max_len = check_decode_len(config, max_len)
     banned_ids = check_search_options(config, beam_style, early_stopping, forced_eos, banned_ids)
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be True or False; got {renormalize!r}")
     mesh = default_mesh() if mesh is None else mesh
     if not hasattr(inputs, "shape"):  # nested lists
         inputs = np.asarray(inputs, np.int32)
@@ -680,6 +693,7 @@ def generate(
         rng=_replicated(rng, mesh),
         row_max_len=limits,
         beam_cache=beam_cache,
+        renormalize=renormalize,
     )
 
 

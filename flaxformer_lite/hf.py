@@ -623,26 +623,156 @@ def load_pretrained(path_or_repo_id: str) -> tuple[TransformerConfig, Params, An
     return config, params, tokenizer
 
 
-def generation_defaults(path_or_repo_id: str) -> dict[str, Any]:
-    """The decoding defaults a Hugging Face model folder records (``generation_config.json``,
-    else ``config.json``): any of ``num_beams``, ``length_penalty``, ``max_length``,
-    ``early_stopping``, ``bad_words_ids``, ``forced_eos_token_id`` that it sets."""
+# The fields of a generation config (transformers.GenerationConfig) that decide which tokens
+# MarianMTModel.generate returns; older checkpoints keep them in config.json.
+GENERATION_KEYS = (
+    "num_beams",
+    "length_penalty",
+    "max_length",
+    "max_new_tokens",
+    "min_length",
+    "min_new_tokens",
+    "early_stopping",
+    "bad_words_ids",
+    "forced_eos_token_id",
+    "forced_bos_token_id",
+    "renormalize_logits",
+    "do_sample",
+    "num_beam_groups",
+    "diversity_penalty",
+    "repetition_penalty",
+    "encoder_repetition_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "sequence_bias",
+    "exponential_decay_length_penalty",
+    "remove_invalid_values",
+)
+# What transformers' generate uses where a folder sets nothing (GenerationConfig's defaults).
+GENERATION_DEFAULT_MAX_LENGTH = 20
+_GENERATION_IDS = ("decoder_start_token_id", "eos_token_id", "pad_token_id")
+
+
+def generation_config(path_or_repo_id: str) -> dict[str, Any]:
+    """The generation config of a Hugging Face model folder, every field as it is written:
+    its ``generation_config.json``, or, for a folder without one, the generation fields of
+    its ``config.json`` (``GENERATION_KEYS`` and the ids). ``save_pretrained(...,
+    generation=generation_config(folder))`` writes it back unchanged.
+
+    Raises:
+      FileNotFoundError: no such folder or repository.
+    """
     root = resolve(path_or_repo_id)
-    keys = (
-        "num_beams",
-        "length_penalty",
-        "max_length",
-        "early_stopping",
-        "bad_words_ids",
-        "forced_eos_token_id",
-    )
-    out: dict[str, Any] = {}
-    for name in ("config.json", "generation_config.json"):  # the latter wins
-        path = root / name
-        if path.is_file():
-            values = json.loads(path.read_text())
-            out.update({k: values[k] for k in keys if values.get(k) is not None})
-    return out
+    path = root / "generation_config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        return {}
+    values = json.loads(config_path.read_text())
+    keys = (*_GENERATION_IDS, *GENERATION_KEYS)
+    return {k: values[k] for k in keys if values.get(k) is not None}
+
+
+def generation_defaults(path_or_repo_id: str) -> dict[str, Any]:
+    """The decoding defaults of a Hugging Face model folder: the ``GENERATION_KEYS`` its
+    generation config sets (not None). As transformers reads them: ``generation_config.json``
+    alone when the folder has one (``config.json``'s copies are then ignored), else
+    ``config.json`` (see :func:`generation_config`)."""
+    values = generation_config(path_or_repo_id)
+    return {k: values[k] for k in GENERATION_KEYS if values.get(k) is not None}
+
+
+def generate_new_tokens(defaults: Mapping[str, Any], config: TransformerConfig) -> int:
+    """The most tokens ``MarianMTModel.generate`` produces (EOS included, the decoder start
+    not) under the generation ``defaults`` (see :func:`generation_defaults`):
+    ``max_new_tokens``, else ``max_length`` - 1 (it counts the decoder start), else
+    transformers' default ``max_length`` of 20 new tokens, at most the positions
+    (``max_position_embeddings`` - 1). Never more than ``config.max_len``, which the decoder's
+    positions allow.
+
+    Raises:
+      ValueError: ``max_new_tokens`` / ``max_length`` leave no token to generate.
+    """
+    if defaults.get("max_new_tokens") is not None:
+        name, n = "max_new_tokens", int(defaults["max_new_tokens"])
+    elif defaults.get("max_length") is not None:
+        name, n = "max_length", int(defaults["max_length"]) - 1
+    else:
+        name = "max_length"
+        n = min(GENERATION_DEFAULT_MAX_LENGTH + 1, config.max_len) - 1
+    if n < 1:
+        raise ValueError(
+            f"generation config {name}={defaults.get(name)} leaves no token to generate; "
+            "valid: max_new_tokens >= 1 or max_length >= 2"
+        )
+    return min(n, config.max_len)
+
+
+def unsupported_generation(defaults: Mapping[str, Any], config: TransformerConfig) -> list[str]:
+    """The generation ``defaults`` that our searches cannot follow (empty when none): sampling,
+    group beam search, repetition penalties and n-gram bans, minimum lengths, multi-token
+    ``bad_words_ids``, a forced first token, token suppression, sequence biases, and a forced
+    EOS other than the model's."""
+    neutral = {
+        "do_sample": (False,),
+        "num_beam_groups": (1,),
+        "diversity_penalty": (0.0,),
+        "repetition_penalty": (1.0,),
+        "encoder_repetition_penalty": (1.0,),
+        "no_repeat_ngram_size": (0,),
+        "encoder_no_repeat_ngram_size": (0,),
+        "min_length": (0, 1),
+        "min_new_tokens": (0,),
+        "suppress_tokens": ([],),
+        "begin_suppress_tokens": ([],),
+        "sequence_bias": ({},),
+    }
+    problems = [
+        f"{k}={defaults[k]!r} (supported: {list(v)} or unset)"
+        for k, v in neutral.items()
+        if defaults.get(k) is not None and defaults[k] not in v
+    ]
+    for k in ("forced_bos_token_id", "exponential_decay_length_penalty"):
+        if defaults.get(k) is not None:
+            problems.append(f"{k}={defaults[k]!r} (supported: unset)")
+    forced = defaults.get("forced_eos_token_id")
+    if forced is not None and forced != config.eos_id:
+        problems.append(f"forced_eos_token_id={forced!r} (supported: eos_id={config.eos_id})")
+    long_words = [w for w in defaults.get("bad_words_ids") or [] if len(w) != 1]
+    if long_words:
+        problems.append(f"bad_words_ids with multi-token entries {long_words} (supported: [[id]])")
+    return problems
+
+
+def _generation_to_save(
+    config: TransformerConfig, generation: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """generation_config.json's content for ``save_pretrained`` (see its ``generation``)."""
+    ids = {
+        "decoder_start_token_id": config.bos_id,
+        "eos_token_id": config.eos_id,
+        "pad_token_id": config.pad_id,
+    }
+    if generation is None:
+        return {**ids, "forced_eos_token_id": config.eos_id}
+    if not isinstance(generation, Mapping):
+        raise ValueError(
+            f"generation must be a dict (a generation config, e.g. hf.generation_config(folder))"
+            f" or None; got {type(generation).__name__}"
+        )
+    wrong = [
+        f"{k}={generation[k]!r} (config: {v!r})"
+        for k, v in ids.items()
+        if generation.get(k) is not None and generation[k] not in (v, [v])
+    ]
+    if wrong:
+        raise ValueError(
+            "generation names other special ids than the model config: " + "; ".join(wrong)
+        )
+    return {**ids, **generation}
 
 
 def save_pretrained(
@@ -668,8 +798,11 @@ def save_pretrained(
       params: its parameters (boxed or plain, scanned or unrolled, any float dtype).
       tokenizer: a ``marian_tokenizer.MarianTokenizer`` (its ``save`` writes source.spm,
         target.spm, vocab.json, tokenizer_config.json), or None.
-      generation: decoding defaults for generation_config.json (e.g. ``num_beams``,
-        ``length_penalty``, ``max_length``).
+      generation: the generation config, written to generation_config.json as it is, every
+        field kept (e.g. :func:`generation_config` of the folder the model came from: then
+        ``MarianMTModel.generate`` decodes the saved folder as it decoded that one); the ids
+        it lacks are added from ``config``. None: the ids and the forced EOS alone
+        (transformers' defaults for the rest: greedy, 20 tokens).
       dequantize: write an int8 model (``config.quantization="int8"``, parameters from
         ``quantize.quantize_params``) as the float32 model of its dequantized weights
         (``q * scale``; a tied embedding's int8 copy is dropped, its float table kept):
@@ -678,22 +811,17 @@ def save_pretrained(
 
     Raises:
       ValueError: ``config`` is not a Marian architecture, or is int8 without ``dequantize``
-        (the differing fields are named); nothing is written then.
+        (the differing fields are named), or ``generation`` is not a dict or names other
+        special ids than ``config``; nothing is written then.
     """
     from safetensors.numpy import save as save_safetensors
 
     hf = config_to_hf(config, dequantize=dequantize)  # fails before anything is written
+    gen = _generation_to_save(config, generation)
     state = state_dict_from_params(params, config, dequantize=dequantize)
     root = paths.resolve(directory)
     paths.makedirs(root)
     paths.write_atomic(root / "config.json", json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    gen = {
-        "decoder_start_token_id": config.bos_id,
-        "eos_token_id": config.eos_id,
-        "forced_eos_token_id": config.eos_id,
-        "pad_token_id": config.pad_id,
-        **(generation or {}),
-    }
     paths.write_atomic(
         root / "generation_config.json", json.dumps(gen, indent=2, sort_keys=True) + "\n"
     )
@@ -717,7 +845,8 @@ def export_workdir(
     """Writes a train.py workdir (e.g. a Marian model fine-tuned with
     configs/finetune_marian.py) as a Hugging Face Marian folder: its ``model_config.json``, the
     parameters of checkpoint ``step`` (default the latest; ``average`` > 1: the mean of that
-    many last checkpoints) and, when the workdir holds one, its Marian tokenizer.
+    many last checkpoints) and, when the workdir holds them, its Marian tokenizer and the
+    ``generation_config.json`` of the folder it was fine-tuned from (every field kept).
     ``dequantize``: an int8 model is written dequantized (see ``save_pretrained``).
 
     Raises:
@@ -743,7 +872,14 @@ def export_workdir(
     checkpoints = str(root / "checkpoints")
     steps = choose_steps(checkpoints, step=step, average=average)
     params = average_params(checkpoints, steps, Translator.abstract_params(config))
-    save_pretrained(directory, config, params, _load_tokenizer(root), dequantize=dequantize)
+    # A run fine-tuned from a Hugging Face folder keeps that folder's generation config
+    # (train.py copies it into the workdir): the export decodes as the original did.
+    generation_path = root / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
+    save_pretrained(
+        directory, config, params, _load_tokenizer(root),
+        generation=generation, dequantize=dequantize,
+    )  # fmt: skip
     return config
 
 

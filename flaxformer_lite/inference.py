@@ -242,6 +242,14 @@ class Translator:
       source_vocab, target_vocab: vocabularies (the same object when shared).
       beam_size, alpha: defaults of :meth:`translate` (``from_workdir`` reads them from the
         run's ``config.json`` when it has them).
+      method: the default method of :meth:`translate` ("beam"; ``from_pretrained`` of a
+        Hugging Face folder: "greedy" unless it sets ``num_beams`` > 1, as ``generate``).
+      max_len: the default ``max_len`` of :meth:`translate`: None = each row's own limit,
+        ``min(model max_len, 1.5 * source + 10)``; an int = that many tokens for every row
+        (``from_pretrained``: the folder's ``max_length`` / ``max_new_tokens``).
+      search_options: generate()'s ``beam_style``, ``early_stopping``, ``forced_eos``,
+        ``banned_ids`` and ``renormalize`` (checked here; the beam rules and
+        ``renormalize`` apply to beam search only).
       name: where the model came from, for messages.
       mesh: the devices that decode (a ``sharding.make_mesh`` mesh: batch over ``data`` x
         ``fsdp``, heads over ``tensor``); None = every device, the batch split over all.
@@ -272,8 +280,12 @@ class Translator:
         mesh: jax.sharding.Mesh | None = None,
         search_options: dict[str, Any] | None = None,
         quantize: str | None = None,
+        method: str = "beam",
+        max_len: int | None = None,
     ) -> None:
         check_quantization(quantize, "quantize")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}; got {method!r}")
         params, config = unrolled(params, config)
         if quantize is not None and config.quantization is None:
             params = quantize_params(params, config)
@@ -294,7 +306,16 @@ class Translator:
         self.alpha = alpha
         # generate()'s beam_style / early_stopping / forced_eos / banned_ids (checked here).
         self.search_options = dict(search_options or {})
-        check_search_options(config, **self.search_options)
+        renormalize = self.search_options.get("renormalize", False)
+        if not isinstance(renormalize, bool):
+            raise ValueError(
+                f"search_options renormalize must be True or False; got {renormalize!r}"
+            )
+        check_search_options(
+            config, **{k: v for k, v in self.search_options.items() if k != "renormalize"}
+        )
+        self.method = method
+        self.max_len = None if max_len is None else check_decode_len(config, max_len)
         self.name = name
         self.mesh = default_mesh() if mesh is None else mesh
         # On the devices once, in their shards, not at every call.
@@ -390,29 +411,57 @@ class Translator:
         *,
         mesh: jax.sharding.Mesh | None = None,
         quantize: str | None = None,
+        per_row_max_len: bool = False,
         **workdir_kwargs: Any,
     ) -> Translator:
         """A train.py workdir (``from_workdir``, e.g. a fine-tuned one) or a Hugging Face
         Marian folder / hub id (``hf.load_pretrained`` with its tokenizer), decoding as that
-        model's ``generate`` would by default: its ``num_beams``, ``length_penalty`` (here
-        ``alpha``, with Hugging Face's beam rules), ``early_stopping``, the EOS forced at the
-        last position, and its ``bad_words_ids`` (opus-mt bans the pad token).
+        model's ``generate`` does with its generation config and nothing else: greedy unless
+        it sets ``num_beams`` > 1 (transformers' default is 1); ``length_penalty`` (here
+        ``alpha``, with Hugging Face's beam rules, default 1.0) and ``early_stopping``; every
+        row's limit ``max_new_tokens``, else ``max_length`` - 1, else 20 tokens
+        (``hf.generate_new_tokens``); the EOS forced at that limit when it sets
+        ``forced_eos_token_id``; its single-token ``bad_words_ids`` never generated (opus-mt
+        bans the pad token); ``renormalize_logits``.
+
+        Args:
+          source: a workdir, a Hugging Face folder or a hub id.
+          mesh, quantize: as in the class.
+          per_row_max_len: a Hugging Face folder: give each row this library's own limit,
+            ``min(max_len, 1.5 * source + 10)`` tokens, instead of the folder's
+            ``max_length`` (a deliberate departure from ``generate``: a short sentence stops
+            sooner when the model never emits EOS).
+          workdir_kwargs: ``from_workdir``'s ``step`` and ``average`` (workdirs only).
 
         Raises:
           FileNotFoundError: neither a workdir nor a model folder, or no tokenizer files.
+          ValueError: the folder's generation config asks for what these searches do not do
+            (sampling, repetition penalties, minimum lengths, ...: every such field named),
+            or ``per_row_max_len`` is not a bool; before the weights are read.
         """
         from flaxformer_lite import hf
-        from flaxformer_lite.init_from import is_workdir
+        from flaxformer_lite.init_from import is_workdir, pretrained_config
 
+        if not isinstance(per_row_max_len, bool):
+            raise ValueError(f"per_row_max_len must be True or False; got {per_row_max_len!r}")
         if is_workdir(source):
             return cls.from_workdir(source, mesh=mesh, quantize=quantize, **workdir_kwargs)
+        gen = hf.generation_defaults(source)
+        base = pretrained_config(source)  # config.json alone: checks before the weights
+        problems = hf.unsupported_generation(gen, base)
+        if problems:
+            raise ValueError(
+                f"the generation config of {source} asks for what Translator cannot decode: "
+                + "; ".join(problems)
+                + " (change generation_config.json, or decode with transformers)"
+            )
+        max_len = None if per_row_max_len else hf.generate_new_tokens(gen, base)
         config, params, tokenizer = hf.load_pretrained(source)
         if tokenizer is None:
             raise FileNotFoundError(
                 f"{source} has no tokenizer (source.spm, target.spm, vocab.json); the "
                 "Translator needs one"
             )
-        gen = hf.generation_defaults(source)
         banned = sorted(
             {int(w[0]) for w in gen.get("bad_words_ids") or [] if len(w) == 1} - {config.eos_id}
         )
@@ -421,18 +470,22 @@ class Translator:
             early_stopping=gen.get("early_stopping", False),
             forced_eos=gen.get("forced_eos_token_id") == config.eos_id,
             banned_ids=tuple(banned),
+            renormalize=bool(gen.get("renormalize_logits", False)),
         )
+        num_beams = int(gen.get("num_beams", 1))
         return cls(
             params,
             config,
             tokenizer.source,
             tokenizer.target,
-            beam_size=int(gen.get("num_beams", 4)),
+            beam_size=num_beams,
             alpha=float(gen.get("length_penalty", 1.0)),
             name=str(source),
             mesh=mesh,
             search_options=options,
             quantize=quantize,
+            method="beam" if num_beams > 1 else "greedy",
+            max_len=max_len,
         )
 
     @staticmethod
@@ -501,7 +554,7 @@ class Translator:
         self,
         sentences: Sequence[str],
         *,
-        method: str = "beam",
+        method: str | None = None,
         beam_size: int | None = None,
         alpha: float | None = None,
         batch_size: int = 64,
@@ -518,16 +571,17 @@ class Translator:
           sentences: source strings. An empty (or whitespace-only) one gives "" without being
             decoded; one longer than the model's ``max_len`` is truncated, and one warning per
             call counts such lines.
-          method: "beam", "greedy" or "sample".
+          method: "beam", "greedy" or "sample"; None = the translator's (``method``).
           beam_size, alpha: beam search width and GNMT length penalty; None = the
             translator's defaults (the run's ``config.json``, else 4 and 0.6).
           batch_size: most sentences per decoding call. Every call of one ``translate`` uses
             the same row count: ``batch_size``, or the next power of two at or above the number
             of sentences when there are fewer (so one short input does not pay for 64 rows),
             rounded up to a multiple of the devices the batch is split over.
-          max_len: most tokens to generate; None = ``min(model max_len, 1.5 * source + 10)``
-            with ``source`` the sentence's own token count (EOS included): a sentence gets the
-            same translation whatever its batch-mates.
+          max_len: most tokens to generate; None = the translator's ``max_len``, and where
+            that is None too, ``min(model max_len, 1.5 * source + 10)`` with ``source`` the
+            sentence's own token count (EOS included): a sentence gets the same translation
+            whatever its batch-mates.
           temperature, top_k, top_p: sampling filters (method="sample").
           seed: sampling key (batch i uses ``fold_in(key(seed), i)``): same seed, same output.
           progress: show a tqdm bar on stderr.
@@ -536,8 +590,10 @@ class Translator:
           ValueError: unknown ``method``, a ``beam_size``, ``batch_size`` or ``max_len``
             that is not a positive int, or a ``max_len`` above the model's ``max_len``.
         """
+        method = self.method if method is None else method
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+        max_len = self.max_len if max_len is None else max_len
         beam_size = self.beam_size if beam_size is None else beam_size
         alpha = self.alpha if alpha is None else alpha
         for name, value in (("beam_size", beam_size), ("batch_size", batch_size)):
@@ -628,6 +684,7 @@ class Translator:
         if method != "beam":  # beam rules do not apply; constraints do
             search.pop("beam_style", None)
             search.pop("early_stopping", None)
+            search.pop("renormalize", None)  # changes no greedy or sampled choice
         tokens, _ = generate(
             self.params,
             self.config,
@@ -674,6 +731,7 @@ class Translator:
         if ids[0] is None:
             raise ValueError("attention() needs a non-empty text")
         source = np.asarray([ids[0]], np.int32)
+        max_len = self.max_len if max_len is None else max_len
         tokens = self._generate(
             source, method="greedy", max_len=self._decode_len(source.shape[1], max_len)
         )[0]

@@ -81,6 +81,18 @@ def pretrained_config(source: str) -> TransformerConfig:
     return hf.config_from_hf(json.loads(config_path.read_text()))
 
 
+def generation_config(source: str) -> dict[str, Any] | None:
+    """The generation config of ``source`` (``hf.generation_config`` of a Hugging Face folder,
+    or a workdir's own ``generation_config.json``), None when it has none. train.py copies it
+    into a fine-tuned run's workdir, so that the run's export decodes as ``source`` did."""
+    if is_workdir(source):
+        path = paths.resolve(source) / "generation_config.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+    from flaxformer_lite import hf
+
+    return hf.generation_config(source) or None
+
+
 def pretrained_params(source: str) -> dict[str, Any]:
     """The parameters (plain nested dicts, unrolled layers) of ``source``: a workdir's latest
     checkpoint, or a Hugging Face Marian model."""

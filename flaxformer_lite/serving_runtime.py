@@ -1,7 +1,10 @@
 """Load and run a serving artifact written by ``flaxformer_lite.export``: strings in, strings out.
 
-This file is copied into every artifact (``runtime.py``) and imports only jax, numpy,
-sentencepiece and the standard library, never ``flaxformer_lite``:
+This file is copied into every artifact (``runtime.py``) and needs only the packages in
+``REQUIREMENTS`` (jax and the packages jax itself imports, sentencepiece, and flatbuffers, which
+``jax.export.deserialize`` needs but jax does not install; the artifact's ``manifest.json``
+pins them under ``requirements`` and its ``README.md`` gives the pip line), never
+``flaxformer_lite``. Without one of them, loading fails with one line saying what to install:
 
     import sys; sys.path.insert(0, "ARTIFACT")
     import runtime
@@ -9,8 +12,9 @@ sentencepiece and the standard library, never ``flaxformer_lite``:
     model.translate(["A dog runs.", ""])  # -> ["...", ""]
 
 An artifact folder holds:
-  ``manifest.json``   ids (pad, eos), ``max_len`` (the output width), method, vocabulary kind,
-                      ``max_source_len``, the default row count per call, versions.
+  ``manifest.json``   ids (pad, eos), ``max_len`` (the output width), ``per_row_limit``,
+                      method, vocabulary kind, ``max_source_len``, the default row count per
+                      call, versions, ``requirements`` (pip names pinned).
   ``translate.jax``   ``jax.export.Exported.serialize()`` of
                       ``(params, source_ids int32 [batch, src_len], row_max_len int32 [batch])
                       -> (tokens int32 [batch, max_len], scores float32 [batch])``, with
@@ -29,15 +33,52 @@ therefore pads every call to one row count and its source length up to a multipl
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import numpy as np
-import sentencepiece as spm
+# pip name -> import name of every package this runtime imports: jax and what jax imports
+# (typing_extensions through jaxlib's MLIR bindings), sentencepiece, and flatbuffers, which
+# jax.export's deserializer imports but jax does not install.
+REQUIREMENTS = {
+    "jax": "jax",
+    "jaxlib": "jaxlib",
+    "ml_dtypes": "ml_dtypes",
+    "numpy": "numpy",
+    "opt_einsum": "opt_einsum",
+    "scipy": "scipy",
+    "typing_extensions": "typing_extensions",
+    "sentencepiece": "sentencepiece",
+    "flatbuffers": "flatbuffers",
+}
+
+
+def missing_requirements(pinned: Sequence[str] = ()) -> str | None:
+    """One line naming what to install (``pinned``: the manifest's ``name==version``
+    requirements, used where they name a missing package), or None when nothing is missing."""
+    missing = []
+    for name, module in REQUIREMENTS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(next((p for p in pinned if p.split("==")[0] == name), name))
+    if not missing:
+        return None
+    names = ", ".join(m.split("==")[0] for m in missing)
+    return f"this serving runtime needs {names}, which cannot be imported: pip install " + " ".join(
+        missing
+    )
+
+
+try:
+    import jax
+    import numpy as np
+    import sentencepiece as spm
+except ImportError as e:  # one line saying what to install, not jax's or numpy's own
+    raise ImportError(missing_requirements() or str(e)) from e
 
 BUCKET = 16  # source lengths are padded up to a multiple of this (as flaxformer_lite.inference)
 MANIFEST = "manifest.json"
@@ -161,6 +202,9 @@ class ServingModel:
             raise FileNotFoundError(f"no {MANIFEST} in {root}: is it a flaxformer_lite export?")
         with open(manifest_path, encoding="utf-8") as f:
             self.manifest = json.load(f)
+        problem = missing_requirements(self.manifest.get("requirements", ()))
+        if problem:  # e.g. flatbuffers, which only the deserializer below imports
+            raise ImportError(problem)
         with open(os.path.join(root, EXPORTED), "rb") as f:
             self.exported = jax.export.deserialize(bytearray(f.read()))
         with np.load(os.path.join(root, PARAMS)) as flat:
@@ -171,6 +215,7 @@ class ServingModel:
         self.pad_id, self.eos_id = int(ids["pad"]), int(ids["eos"])
         self.decoder_start_id = int(ids["decoder_start"])
         self.max_len = int(self.manifest["max_len"])
+        self.per_row_limit = bool(self.manifest.get("per_row_limit", True))
         self.max_source_len = int(self.manifest["max_source_len"])
 
     def __call__(
@@ -194,8 +239,12 @@ class ServingModel:
         return np.asarray(tokens), np.asarray(scores)
 
     def decode_len(self, source_len: int) -> int:
-        """Tokens to generate for a source of ``source_len`` ids (EOS included): 1.5 times
-        the source plus 10, at most ``max_len`` (``flaxformer_lite.inference``'s default)."""
+        """Tokens to generate for a source of ``source_len`` ids (EOS included): with the
+        manifest's ``per_row_limit``, 1.5 times the source plus 10, at most ``max_len``
+        (a workdir's ``Translator``); without, ``max_len`` (a Hugging Face folder's
+        ``max_length``, as its ``generate``)."""
+        if not self.per_row_limit:
+            return self.max_len
         return max(1, min(self.max_len, int(source_len * 1.5) + 10))
 
     def encode(self, text: str) -> list[int] | None:
@@ -222,8 +271,8 @@ class ServingModel:
         Sentences are sorted by length and decoded ``batch_size`` rows per call (None: the
         manifest's ``batch_size``; short calls are padded with copies of their first row) with
         sources padded to a multiple of ``BUCKET`` tokens, so calls share compiled programs.
-        Each row stops after ``decode_len`` of its own length: a sentence's translation does
-        not depend on its batch-mates.
+        Each row stops after ``decode_len`` tokens (of its own length): a sentence's
+        translation does not depend on its batch-mates.
         """
         rows = int(self.manifest["batch_size"] if batch_size is None else batch_size)
         if rows < 1:

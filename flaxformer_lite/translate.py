@@ -144,7 +144,13 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="average the parameters of this many last checkpoints up to --step (default 1)",
     )
-    parser.add_argument("--method", choices=METHODS, default="beam", help="decoding method")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default=None,
+        help="decoding method (default: beam; a Hugging Face folder: its generate's, greedy "
+        "unless num_beams > 1)",
+    )
     parser.add_argument(
         "--beam_size", type=int, default=None, help="beams (default: the run's config, else 4)"
     )
@@ -159,7 +165,8 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
         "--max_len",
         type=int,
         default=None,
-        help="most tokens to generate (default: min(model max_len, 1.5 * source + 10))",
+        help="most tokens to generate (default: min(model max_len, 1.5 * source + 10); a "
+        "Hugging Face folder: its max_length)",
     )
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     parser.add_argument("--top_k", type=int, default=0, help="sampling: keep the k best (0: off)")

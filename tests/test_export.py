@@ -267,10 +267,13 @@ HF_SENTENCES = ["a dog runs", "the cat sleeps", ">>de<< two men", "", "red bikes
 HF_MAX_LEN = 8
 
 
-def marian_dir(root: Path, spm_model: Path, seed: int = 0) -> tuple[Path, int]:
+def marian_dir(
+    root: Path, spm_model: Path, seed: int = 0, eos_bias: float = 3.0, pad_bias: float = 0.0
+) -> tuple[Path, int]:
     """A tiny random MarianMTModel saved with a Marian tokenizer (source.spm = target.spm =
     ``spm_model``; vocab.json: </s> 0, <unk> 1, the pieces, <pad> last; the piece "▁d" left
-    out so that it maps to <unk>). Returns the folder and the missing piece's spm id."""
+    out so that it maps to <unk>). ``eos_bias`` / ``pad_bias``: added to EOS's / PAD's final
+    logits bias. Returns the folder and the missing piece's spm id."""
     torch = pytest.importorskip("torch", reason="the Marian reference runs in PyTorch (test extra)")
     transformers = pytest.importorskip("transformers", reason="MarianMTModel is the reference")
     import sentencepiece as spm
@@ -310,7 +313,8 @@ def marian_dir(root: Path, spm_model: Path, seed: int = 0) -> tuple[Path, int]:
                 gain = 3.0 if ("q_proj" in name or "k_proj" in name) else 1.0
                 p.copy_(gain * torch.randn(p.shape) / p.shape[1] ** 0.5)
         bias = 0.5 * torch.randn(model.final_logits_bias.shape)
-        bias[0, 0] += 3.0  # EOS: some rows stop early
+        bias[0, 0] += eos_bias  # EOS: some rows stop early
+        bias[0, size - 1] += pad_bias
         model.final_logits_bias.copy_(bias)
     model.save_pretrained(str(root))
     generation = json.loads((root / "generation_config.json").read_text())
@@ -332,12 +336,11 @@ def test_marian_folder_exports_and_matches_hugging_face(model, tmp_path):
     assert export.main([*argv, "--max-len", str(HF_MAX_LEN)]) == 0
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["vocabulary"] == "marian" and manifest["ids"]["eos"] == 0
-    assert manifest["decoding"] == {
-        "beam_style": "hf",
-        "early_stopping": False,
+    assert manifest["decoding"] == {  # greedy: the beam rules do not apply
         "forced_eos": True,
         "banned_ids": [manifest["ids"]["pad"]],
     }
+    assert manifest["per_row_limit"] is False  # every row gets --max-len, as generate's
 
     tokenizer = transformers.MarianTokenizer(
         source_spm=str(hf_dir / "source.spm"),
@@ -395,3 +398,180 @@ def test_one_artifact_for_cpu_and_cuda(model):
     ids = source_cases(translator.config.vocab_size, EOS_ID, PAD_ID, {0, 1, 2, 3})["3x11"]
     tokens, _ = restored.call(translator.params, ids, np.full((3,), MAX_LEN, np.int32))
     np.testing.assert_array_equal(np.asarray(tokens), reference(translator, ids, "greedy"))
+
+
+# ----------------------------------------------------------------------------- every source
+
+# The runtime with nothing but the manifest's requirements importable: argv = artifact,
+# modules to block as well (JSON list), sentences (JSON), output .json. A meta-path gate makes
+# every third-party top-level module (one that an installed distribution provides) whose
+# distribution the manifest's ``requirements`` do not name fail to import, as in an environment
+# where only those are installed (optional imports, e.g. jax's of etils, then take their
+# fallbacks); the third-party modules imported after the prelude are recorded.
+STRICT_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, importlib.metadata, json, sys
+    artifact, block, sentences, out_path = sys.argv[1:5]
+    block, sentences = set(json.loads(block)), json.loads(sentences)
+    with open(artifact + "/manifest.json") as f:
+        manifest = json.load(f)
+    norm = lambda name: name.lower().replace("-", "_")
+    allowed = {norm(r.split("==")[0]) for r in manifest.get("requirements", [])}
+    owners = importlib.metadata.packages_distributions()
+    dists = {k: {norm(d) for d in v} for k, v in owners.items()}
+    before, refused = set(sys.modules), set()
+
+    class Gate(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            top = name.partition(".")[0]
+            if top in block or (dists.get(top) and not dists[top] & allowed):
+                refused.add(top)
+                raise ModuleNotFoundError(f"No module named {top!r} (not installed)", name=top)
+            return None
+
+    sys.meta_path.insert(0, Gate())
+    sys.path.insert(0, artifact)
+    result = {"refused": refused}
+    try:
+        import runtime
+        model = runtime.load(artifact)
+        result["translations"] = model.translate(sentences)
+    except ImportError as e:
+        result["error"] = str(e)
+    new = {m.partition(".")[0] for m in set(sys.modules) - before}
+    result["third_party"] = sorted(m for m in new if dists.get(m))
+    result["distributions"] = sorted({d for m in new for d in dists.get(m, ())})
+    result["refused"] = sorted(refused)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    """
+)
+EXPORT_SENTENCES = [
+    "a dog runs in the park",
+    "the cat sleeps",
+    "two men ride bikes down the road",
+    "a woman reads",
+    "",
+    "children play with a ball near the water",
+    "the old man walks his dog",
+    "a girl sings",
+    "people wait for the bus in the rain",
+    "red bikes",
+    "the cat sleeps on a red mat in the sun",
+    "two women walk",
+    "a dog",  # short sources: a per-row limit of 1.5 x source + 10 would cut them sooner
+    "red",
+    "a man",
+]
+
+
+def run_strict(artifact: Path, sentences, tmp: Path, block=()) -> dict:
+    """STRICT_SCRIPT in a fresh process (cwd outside the repository, no PYTHONPATH)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("PYTEST")}
+    out = tmp / "strict.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            STRICT_SCRIPT,
+            str(artifact),
+            json.dumps(list(block)),
+            json.dumps(sentences),
+            str(out),
+        ],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def finetuned_workdir(work: Path, folder: Path) -> Path:
+    """The workdir ``train.py --config configs/finetune_marian.py --config.init_from=folder``
+    leaves (its model and run configs, the Marian tokenizer, the folder's
+    generation_config.json, a checkpoint), with the folder's weights as the checkpoint."""
+    import shutil
+
+    from flaxformer_lite import hf
+    from flaxformer_lite.checkpoints import Checkpointer
+
+    config, params, _ = hf.load_pretrained(str(folder))
+    work.mkdir()
+    (work / "model_config.json").write_text(config.to_json())
+    run = {
+        "task": "translation",
+        "init_from": str(folder),
+        "beam_size": 4,
+        "alpha": 1.0,
+        "beam_style": "hf",
+        "early_stopping": False,
+        "forced_eos": True,
+        "ban_pad": True,
+    }  # configs/finetune_marian.py's decoding fields
+    (work / "config.json").write_text(json.dumps(run))
+    for name in ("source.spm", "target.spm", "vocab.json", "generation_config.json"):
+        shutil.copyfile(folder / name, work / name)
+    checkpointer = Checkpointer(str(work / "checkpoints"), async_save=False)
+    state = {"step": np.int32(5), "params": params, "opt_state": {}}
+    checkpointer.save(5, state, {"train": {"index": 5}}, force=True)
+    checkpointer.close()
+    return work
+
+
+@pytest.fixture(scope="module")
+def sources(model, tmp_path_factory):
+    """{kind: a folder to export}: the plain train.py workdir, a fine-tuned Marian workdir and
+    a Hugging Face folder with opus-mt's generation config (beam 4, max_length 21, forced EOS,
+    PAD banned, renormalised). PAD's logits bias is raised so that banning it matters."""
+    pytest.importorskip("torch", reason="the Marian model is built in PyTorch (test extra)")
+    pytest.importorskip("transformers", reason="MarianMTModel (test extra)")
+    _, work, _ = model
+    root = tmp_path_factory.mktemp("sources")
+    folder, _ = marian_dir(root / "marian", work / "spm_shared.model", 2, 2.0, 5.5)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    pad = generation["pad_token_id"]
+    generation.update(num_beams=4, max_length=21, bad_words_ids=[[pad]], renormalize_logits=True)
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    tuned = finetuned_workdir(root / "finetuned", folder)
+    return {"workdir": work, "finetuned": tuned, "hf_folder": folder}
+
+
+@pytest.mark.parametrize("kind", ["workdir", "finetuned", "hf_folder"])
+def test_artifact_translates_as_the_translator(sources, kind, tmp_path):
+    """``python -m flaxformer_lite.export --workdir SOURCE`` with no decoding flags: the
+    runtime's strings are ``Translator.from_pretrained(SOURCE).translate``'s, and it runs with
+    only the manifest's requirements importable (their distributions cover every third-party
+    module it imports)."""
+    source = sources[kind]
+    artifact = tmp_path / "artifact"
+    assert export.main(["--workdir", str(source), "--out", str(artifact)]) == 0
+    expected = Translator.from_pretrained(str(source)).translate(EXPORT_SENTENCES)
+    result = run_strict(artifact, EXPORT_SENTENCES, tmp_path)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    print(kind, manifest["method"], manifest["decoding"], "refused", result["refused"])
+    assert "error" not in result, result["error"]
+    assert result["translations"] == expected
+    assert len(set(expected)) >= 5
+    allowed = {r.split("==")[0].lower().replace("-", "_") for r in manifest["requirements"]}
+    assert set(result["distributions"]) <= allowed
+    assert {"jax", "numpy", "sentencepiece", "flatbuffers"} <= set(result["third_party"])
+    assert "flaxformer_lite" not in result["third_party"] and "flax" not in result["third_party"]
+    readme = (artifact / "README.md").read_text()
+    assert all(r in readme for r in manifest["requirements"])
+
+
+def test_runtime_without_flatbuffers_says_what_to_install(model, tmp_path):
+    """flatbuffers (which jax.export's deserializer imports, and jax does not install) made
+    unimportable: loading fails with one line naming the pinned package."""
+    _, _, artifacts = model
+    result = run_strict(artifacts["greedy"], ["a dog"], tmp_path, block=["flatbuffers"])
+    manifest = json.loads((artifacts["greedy"] / "manifest.json").read_text())
+    pinned = [r for r in manifest["requirements"] if r.startswith("flatbuffers==")]
+    assert len(pinned) == 1
+    assert result["error"] == (
+        f"this serving runtime needs flatbuffers, which cannot be imported: pip install {pinned[0]}"
+    )
+    assert "translations" not in result

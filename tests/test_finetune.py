@@ -28,7 +28,6 @@ from test_hf_marian import marian_config  # noqa: E402  (tests/ is on sys.path)
 
 import train  # noqa: E402
 from flaxformer_lite import hf, init_from, optim, tasks  # noqa: E402
-from flaxformer_lite.generate import generate  # noqa: E402
 from flaxformer_lite.inference import Translator  # noqa: E402
 from flaxformer_lite.marian_tokenizer import MarianTokenizer  # noqa: E402
 
@@ -100,6 +99,12 @@ def pretrained_folder(folder: Path, texts: list[str], layers: int = 1) -> Path:
     torch.manual_seed(0)
     transformers.MarianMTModel(config).save_pretrained(folder)
     MarianTokenizer.load(str(folder)).save(str(folder))  # tokenizer_config.json etc.
+    # opus-mt's decoding defaults, which a fine-tuned run's export must keep.
+    generation = json.loads((folder / "generation_config.json").read_text())
+    generation.update(
+        num_beams=4, max_length=12, bad_words_ids=[[len(vocab) - 1]], renormalize_logits=True
+    )
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return folder
 
 
@@ -265,42 +270,39 @@ def test_translator_and_export_of_the_fine_tuned_run(generated_run, tmp_path):
     }
     sentences = [" ".join(EN[:3]), " ".join(EN[3:8])]
     assert all(isinstance(t, str) for t in tuned.translate(sentences, method="beam"))
-    # A Hugging Face folder directly, with its generation defaults: strings are generate()'s
-    # tokens, decoded (the random pretrained model writes something for every sentence).
+    # A Hugging Face folder directly: decoded as MarianMTModel.generate decodes it with the
+    # folder's generation config (beam 4, max_length 12, forced EOS, PAD banned, renormalised).
     direct = Translator.from_pretrained(str(pretrained))
-    assert direct.search_options["beam_style"] == "hf" and direct.alpha == 1.0
-    out = direct.translate(sentences, method="greedy")
+    out = direct.translate(sentences)
+    tok = transformers.MarianTokenizer.from_pretrained(str(pretrained))
+    reference = transformers.MarianMTModel.from_pretrained(str(pretrained)).eval()
+    with torch.no_grad():
+        generated = reference.generate(**tok(sentences, padding=True, return_tensors="pt"))
+    expected = tok.batch_decode(generated, skip_special_tokens=True)
+    assert out == [" ".join(e.split()) for e in expected] and all(out)
+    assert generated.shape[1] - 1 == 11  # rows cut by max_length (the random model rambles)
     ids = [[*direct.source_vocab.encode(s), direct.config.eos_id] for s in sentences]
     src = np.full((2, 8), direct.config.pad_id, np.int32)
     for r, row in enumerate(ids):
         src[r, : len(row)] = row
-    limits = [min(direct.config.max_len, int(1.5 * len(r) + 10)) for r in ids]
-    tokens, _ = generate(
-        direct.params,
-        direct.config,
-        src,
-        method="greedy",
-        max_len=max(limits),
-        row_max_len=limits,
-        **{k: v for k, v in direct.search_options.items() if k in ("forced_eos", "banned_ids")},
-    )
-    tokens = np.asarray(tokens)
-    expected = [direct.target_vocab.decode(list(t)) for t in tokens]
-    assert out == [" ".join(e.split()) for e in expected] and all(out)
-    # The translate CLI takes the Hugging Face folder as its --workdir too.
+    # The translate CLI takes the Hugging Face folder as its --workdir too, same defaults.
     from flaxformer_lite import translate as translate_cli
 
     (tmp_path / "in.txt").write_text("\n".join(sentences) + "\n")
     args = ["--workdir", str(pretrained), "--input", str(tmp_path / "in.txt")]
-    assert (
-        translate_cli.main([*args, "--output", str(tmp_path / "out.txt"), "--method", "greedy"])
-        == 0
-    )
+    assert translate_cli.main([*args, "--output", str(tmp_path / "out.txt")]) == 0
     assert (tmp_path / "out.txt").read_text().splitlines() == out
 
     # Back to Hugging Face: MarianMTModel reads the export and computes our logits.
     export = tmp_path / "export"
     assert hf.main(["--workdir", str(workdir), "--out", str(export)]) == 0
+    # It keeps the pretrained folder's generation config, every field.
+    original = json.loads((pretrained / "generation_config.json").read_text())
+    assert json.loads((export / "generation_config.json").read_text()) == original
+    assert (
+        transformers.GenerationConfig.from_pretrained(str(export)).to_diff_dict()
+        == transformers.GenerationConfig.from_pretrained(str(pretrained)).to_diff_dict()
+    )
     model = transformers.MarianMTModel.from_pretrained(str(export)).eval()
     tok = transformers.MarianTokenizer.from_pretrained(str(export))
     assert tok(sentences)["input_ids"][0] == ids[0]

@@ -13,6 +13,8 @@ are rare. EOS's final logits bias is raised by ``EXTRA_EOS_BIAS`` more, so that 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -171,3 +173,168 @@ def test_generate_refuses_bad_search_options(marian, kwargs, message):
     _, config, params, src = marian
     with pytest.raises(ValueError, match=message):
         generate(params, config, src.astype(np.int32), method="beam", max_len=MAX_NEW, **kwargs)
+
+
+# ----------------------------------------------------------------------------- folder defaults
+# Translator.from_pretrained and save_pretrained against MarianMTModel.from_pretrained(folder)
+# .generate() with no arguments: what the folder's generation_config.json asks for, nothing
+# else. One tiny random model with a Marian tokenizer (test_export.marian_dir; PAD's logits
+# bias raised so that banning it, and renormalising after the ban, change beam choices), copied
+# into folders that differ in generation_config.json alone.
+
+TEXTS = [
+    "a dog runs in the park",
+    "the cat sleeps",
+    "two men ride bikes down the road",
+    "a woman reads",
+    "children play with a ball near the water",
+    "the old man walks his dog",
+    "a girl sings",
+    "people wait for the bus in the rain",
+    "red bikes",
+    "the cat sleeps on a red mat in the sun",
+    "a man",
+    "two women walk",
+]
+PAD = "<pad id>"  # replaced by the model's pad id
+GENERATION_CASES = {
+    # Nothing set: transformers' defaults (greedy, 20 new tokens, PAD allowed, no forced EOS).
+    "unset": {},
+    # As opus-mt folders: beam 4, EOS forced at max_length, PAD banned, renormalised.
+    "opus_mt": dict(
+        num_beams=4,
+        max_length=9,
+        forced_eos_token_id=0,
+        bad_words_ids=[[PAD]],
+        renormalize_logits=True,
+    ),
+    "opus_mt_no_renormalize": dict(
+        num_beams=4, max_length=9, forced_eos_token_id=0, bad_words_ids=[[PAD]]
+    ),
+    # Greedy cut short by max_length, EOS forced there, PAD banned.
+    "short_greedy": dict(max_length=6, forced_eos_token_id=0, bad_words_ids=[[PAD]]),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """({case: Hugging Face folder}, transformers.MarianTokenizer, pad id)."""
+    import shutil
+
+    from test_export import CORPUS, marian_dir
+
+    from flaxformer_lite.tokenizer import Tokenizer
+
+    root = tmp_path_factory.mktemp("generation_cases")
+    spm_model = root / "spm.model"
+    Tokenizer.train(CORPUS, str(spm_model), 60, num_threads=1)
+    base, _ = marian_dir(root / "base", spm_model, seed=2, eos_bias=2.0, pad_bias=5.5)
+    written = json.loads((base / "generation_config.json").read_text())
+    pad = written["pad_token_id"]
+    ids = {k: written[k] for k in ("decoder_start_token_id", "eos_token_id", "pad_token_id")}
+    out = {}
+    for case, fields in GENERATION_CASES.items():
+        folder = root / case
+        shutil.copytree(base, folder)
+        text = json.dumps({**ids, **fields}).replace(json.dumps(PAD), str(pad))
+        (folder / "generation_config.json").write_text(text)
+        out[case] = folder
+    tokenizer = transformers.MarianTokenizer(
+        source_spm=str(base / "source.spm"),
+        target_spm=str(base / "target.spm"),
+        vocab=str(base / "vocab.json"),
+    )
+    return out, tokenizer, pad
+
+
+_REFERENCE: dict = {}
+
+
+def folder_generate(folder, tokenizer):
+    """(tokens int64 [rows, n] without the decoder start, strings) of
+    ``MarianMTModel.from_pretrained(folder).generate`` on TEXTS with no decoding arguments."""
+    key = str(folder)
+    if key not in _REFERENCE:
+        model = transformers.MarianMTModel.from_pretrained(str(folder)).eval()
+        batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**batch).numpy()
+        strings = tokenizer.batch_decode(out, skip_special_tokens=True)
+        _REFERENCE[key] = out[:, 1:], [" ".join(s.split()) for s in strings]
+    return _REFERENCE[key]
+
+
+def generated_lengths(tokens, eos_id=0):
+    """Tokens per row up to the first EOS (included), or the row's width."""
+    eos = tokens == eos_id
+    return np.where(eos.any(axis=1), eos.argmax(axis=1) + 1, tokens.shape[1])
+
+
+@pytest.mark.parametrize("case", list(GENERATION_CASES))
+def test_translator_decodes_as_the_folders_generate(folders, case):
+    from flaxformer_lite.inference import Translator
+
+    cases, tokenizer, _ = folders
+    want_tokens, want = folder_generate(cases[case], tokenizer)
+    got = Translator.from_pretrained(str(cases[case])).translate(TEXTS)
+    print(case, "lengths", generated_lengths(want_tokens).tolist(), want)
+    assert got == want
+    assert len(set(want)) >= 5, "the random model must not translate every row alike"
+
+
+def test_the_generation_cases_differ_where_it_matters(folders):
+    """What makes the cases above able to fail: the default 20 tokens cut rows that
+    ``1.5 * source + 10`` would cut sooner; max_length 9 cuts rows with a forced EOS; the
+    renormalisation after the PAD ban changes beam choices."""
+    cases, tokenizer, pad = folders
+    source_lens = np.array([len(tokenizer(t)["input_ids"]) for t in TEXTS])
+    unset, _ = folder_generate(cases["unset"], tokenizer)
+    n = generated_lengths(unset)
+    assert (n > (1.5 * source_lens + 10).astype(int)).any(), (n, source_lens)
+    opus, opus_strings = folder_generate(cases["opus_mt"], tokenizer)
+    assert opus.shape[1] == 8 and ((generated_lengths(opus) == 8) & (opus[:, -1] == 0)).any()
+    plain, plain_strings = folder_generate(cases["opus_mt_no_renormalize"], tokenizer)
+    assert (opus != plain).any(axis=1).sum() >= 2
+    greedy, _ = folder_generate(cases["short_greedy"], tokenizer)
+    assert greedy.shape[1] == 5 and (greedy[:, -1] == 0).sum() >= 3
+
+
+def test_save_pretrained_keeps_the_generation_config(folders, tmp_path):
+    """load -> save: the same generation_config.json fields, the same GenerationConfig, and
+    generate() on the re-saved folder gives the original's tokens."""
+    cases, tokenizer, _ = folders
+    for case in ("opus_mt", "unset"):
+        folder = cases[case]
+        config, params, tok = hf.load_pretrained(str(folder))
+        out = tmp_path / case
+        hf.save_pretrained(str(out), config, params, tok, generation=hf.generation_config(folder))
+        original = json.loads((folder / "generation_config.json").read_text())
+        assert json.loads((out / "generation_config.json").read_text()) == original
+        read = transformers.GenerationConfig.from_pretrained(str(out)).to_diff_dict()
+        want = transformers.GenerationConfig.from_pretrained(str(folder)).to_diff_dict()
+        assert read == want and (case == "unset" or read["num_beams"] == 4)
+        np.testing.assert_array_equal(
+            folder_generate(out, tokenizer)[0], folder_generate(folder, tokenizer)[0]
+        )
+
+
+def test_bad_generation_configs_are_refused(folders, tmp_path):
+    import shutil
+
+    from flaxformer_lite.inference import Translator
+
+    cases, _, _ = folders
+    config, params, tok = hf.load_pretrained(str(cases["unset"]))
+    with pytest.raises(ValueError, match=r"eos_token_id=5 \(config: 0\)"):
+        hf.save_pretrained(str(tmp_path / "x"), config, params, generation={"eos_token_id": 5})
+    assert not (tmp_path / "x").exists()
+    folder = tmp_path / "sampling"
+    shutil.copytree(cases["unset"], folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True}))
+    with pytest.raises(ValueError, match=r"do_sample=True"):
+        Translator.from_pretrained(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps({"max_length": 1}))
+    with pytest.raises(ValueError, match=r"max_length=1 leaves no token"):
+        Translator.from_pretrained(str(folder))
+    with pytest.raises(ValueError, match="per_row_max_len must be True or False"):
+        Translator.from_pretrained(str(cases["unset"]), per_row_max_len="yes")
