@@ -792,6 +792,38 @@ def test_e_save_pretrained_is_read_by_marian_mt_model_or_refused(cell, tmp_path)
     assert_close_to_reference(float_config(cfg).replace(dtype="float32"), got, want, TGT != 0)
 
 
+@pytest.mark.parametrize(
+    "shared",
+    [
+        pytest.param(
+            True,
+            id="shared",
+            marks=needs("hfsave", "tie_word_embeddings=False: MarianMTModel reads other logits"),
+        ),
+        pytest.param(False, id="separate"),
+    ],
+)
+def test_e_untied_output_projection_round_trips_through_marian(shared, tmp_path):
+    """tie_word_embeddings=False (our tie_output_embedding=False), with a shared vocabulary
+    or separate ones: the saved folder's MarianMTModel logits, and the model load_pretrained
+    reads back from it, both against the float64 reference."""
+    from flaxformer_lite import hf
+
+    cfg = config_of(BASELINE).replace(tie_output_embedding=False)
+    if not shared:
+        cfg = cfg.replace(share_embeddings=False, target_vocab_size=20)
+    params = float_params(cfg)
+    folder = tmp_path / "hf"
+    hf.save_pretrained(str(folder), cfg, params)
+    tgt = np.where(TGT < 20, TGT, 5).astype(np.int32)
+    want = reference_logits(cfg, params, SRC, tgt)
+    assert_close_to_reference(cfg, hf_logits(folder, SRC, tgt, cfg.bos_id), want, tgt != 0)
+    loaded_cfg, loaded, _ = hf.load_pretrained(str(folder))
+    assert not loaded_cfg.tie_output_embedding
+    got = np.asarray(jitted_apply(loaded_cfg)({"params": loaded}, SRC, tgt))
+    assert_close_to_reference(cfg, got, want, tgt != 0)
+
+
 @needs("hfsave", "save_pretrained drops layer_norm_epsilon (Marian's LayerNorm eps is 1e-5)")
 def test_e_layer_norm_epsilon_other_than_marian_is_refused(tmp_path):
     from flaxformer_lite import hf
