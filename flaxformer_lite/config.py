@@ -281,6 +281,12 @@ class TransformerConfig:
                     f"with vocab_size={self.vocab_size}"
                 )
 
+        if self.quantization is not None and self.scan_layers:
+            raise ValueError(
+                f"TransformerConfig.quantization={self.quantization!r} needs scan_layers=False: "
+                "int8 parameters come from quantize.quantize_params, which takes unrolled "
+                "layers (models.unrolled; generate and the Translator unroll a scanned model)"
+            )
         self._check_moe()
         window = self.attention_window
         if window is not None and (

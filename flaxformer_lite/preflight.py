@@ -424,6 +424,14 @@ def _check_synthetic(config: Any) -> tuple[int, int]:
 def _check_model(config: Any, vocab_size: int, max_len: int) -> None:
     """Builds the TransformerConfig the run will build (vocabulary sizes from the config's
     request; the data may give a few fewer) so that its own validation names the field."""
+    quantization = dict(config.model).get("quantization")
+    if quantization is not None:
+        raise ConfigError(
+            f"config.model.quantization={quantization!r}: int8 is for inference only (its "
+            "kernels cannot be trained); train in float, then quantize when translating "
+            "(Translator(quantize='int8'), translate.py --quantize int8): drop "
+            "config.model.quantization"
+        )
     try:
         TransformerConfig(**expected_model_fields(config, vocab_size, max_len))
     except (TypeError, ValueError) as e:

@@ -50,6 +50,7 @@ SLOWEST_FIRST = (
     "tests/test_train.py::test_gradient_accumulation",  # 63 s, killed run 60 s, nonfinite 50 s
     "tests/test_models.py::test_three_models_shapes_dtypes_jit_grad",  # 61 s (float32)
     "tests/test_gcs.py::test_a_run_in_a_bucket",  # 60-80 s
+    "tests/test_feature_matrix.py::test_g_checkpoint_restores_on_other_meshes",  # 3 min module
     "tests/test_generate.py::test_eight_devices_decode",  # an 8-device subprocess
     "tests/test_multihost_data.py::test_two_processes",  # 2 processes, then 1 with 8 devices
     "tests/test_fastpaths.py::test_every_attention_kernel",  # an 8-device subprocess
