@@ -33,10 +33,7 @@ crosses them systematically:
   ``test_every_option_value_meets_every_path``).
 
 REFUSED (the table below, also in README.md) lists the (option, path) combinations that are
-refused, where, and why; each refusal is asserted with its message. Cells that need another
-engineer's fix (issue 23's nine defects) assert the correct behaviour and are marked
-``xfail(strict=True, reason="needs seam-<branch> fix")``: the integrator removes the marker
-after merging that branch.
+refused, where, and why; each refusal is asserted with its message.
 """
 
 from __future__ import annotations
@@ -91,7 +88,7 @@ REFUSED = {
     ),
     ("window=2, moe=4, quant=int8, layer_norm_epsilon!=1e-5", "e"): (
         "save_pretrained: Marian has no windowed attention, no experts, float weights only and "
-        "LayerNorm eps 1e-5 (needs seam-hfsave: today written silently or a crash)"
+        "LayerNorm eps 1e-5"
     ),
 }
 
@@ -287,10 +284,6 @@ def path_cells(path: str, cells: list[dict] = CELLS) -> list[dict]:
 
 def cell_params(path: str) -> list:
     return [pytest.param(c, id=cell_id(c)) for c in path_cells(path)]
-
-
-def needs(branch: str, why: str):
-    return pytest.mark.xfail(strict=True, reason=f"needs seam-{branch} fix: {why}")
 
 
 def test_every_pair_of_option_values_is_in_a_cell():
@@ -742,18 +735,12 @@ def test_d_serving_export_decodes_as_generate(cell):
 
 # ----------------------------------------------------------------------------- e: HF Marian
 
-NEEDS_HFSAVE = ("window", "moe", "quant")  # save_pretrained accepts them today (defect 3)
-
 
 def e_params():
     out = []
     for c in path_cells("e"):
-        refusing = refusing_options(c, "e")
-        marks = ()
-        if any(o in NEEDS_HFSAVE for o in refusing):
-            marks = needs("hfsave", "save_pretrained must refuse attention_window/MoE/int8")
         only = c in one_at_a_time() and c not in CELLS
-        out.append(pytest.param(c, id=("only-" if only else "") + cell_id(c), marks=marks))
+        out.append(pytest.param(c, id=("only-" if only else "") + cell_id(c)))
     return out
 
 
@@ -795,11 +782,7 @@ def test_e_save_pretrained_is_read_by_marian_mt_model_or_refused(cell, tmp_path)
 @pytest.mark.parametrize(
     "shared",
     [
-        pytest.param(
-            True,
-            id="shared",
-            marks=needs("hfsave", "tie_word_embeddings=False: MarianMTModel reads other logits"),
-        ),
+        pytest.param(True, id="shared"),
         pytest.param(False, id="separate"),
     ],
 )
@@ -824,7 +807,6 @@ def test_e_untied_output_projection_round_trips_through_marian(shared, tmp_path)
     assert_close_to_reference(cfg, got, want, tgt != 0)
 
 
-@needs("hfsave", "save_pretrained drops layer_norm_epsilon (Marian's LayerNorm eps is 1e-5)")
 def test_e_layer_norm_epsilon_other_than_marian_is_refused(tmp_path):
     from flaxformer_lite import hf
 
@@ -870,13 +852,10 @@ def f_params():
     out = []
     for c in path_cells("f"):
         for target_scan in (False, True):
-            marks = ()
-            if target_scan and c["quant"] is None:
-                marks = needs("finetune", "a scan_layers fine-tune re-initialises every layer")
             direction = (
                 f"{'scan' if c['scan'] else 'unrolled'}->{'scan' if target_scan else 'unrolled'}"
             )
-            out.append(pytest.param(c, target_scan, id=f"{cell_id(c)}-{direction}", marks=marks))
+            out.append(pytest.param(c, target_scan, id=f"{cell_id(c)}-{direction}"))
     return out
 
 
@@ -963,10 +942,7 @@ def test_h_evaluation_logits_ignore_appended_padding(cell):
 def h_train_params():
     out = []
     for c in path_cells("h-train"):
-        marks = (
-            needs("moe", "expert capacity counts padding") if c["moe"] and not c["quant"] else ()
-        )
-        out.append(pytest.param(c, id=cell_id(c), marks=marks))
+        out.append(pytest.param(c, id=cell_id(c)))
     return out
 
 
@@ -996,12 +972,7 @@ def accum_params():
     # Dense accumulation: tests/test_train.py::test_gradient_accumulation.
     moe = [c for c in CELLS if c["moe"] and c["quant"] is None and c["dtype"] == "float32"]
     for c in moe[:1]:
-        marks = (
-            needs("moe", "MoE losses under gradient accumulation")
-            if c["moe"] and not c["quant"]
-            else ()
-        )
-        out.append(pytest.param(c, id=cell_id(c), marks=marks))
+        out.append(pytest.param(c, id=cell_id(c)))
     return out
 
 
