@@ -252,7 +252,10 @@ class MoeBlock(nn.Module):
         factor = None if deterministic else self.capacity_factor
         g, t = x.shape[:2]
         slots = capacity(t, e, self.k, factor)  # the buffer: every group's capacity fits
-        limit = group_capacity(valid, g, t, e, self.k, factor)
+        # Without a capacity factor (evaluation, decoding) no group can exceed its slots: an
+        # expert takes each real token at most once. No per-group limit then, and none of
+        # group_capacity's table over 0..t, which a symbolic length (jax.export) cannot build.
+        limit = None if factor is None else group_capacity(valid, g, t, e, self.k, factor)
         expert, slot, gate, probs = route(logits, self.k, slots, valid, limit)
         self.sow("losses", "moe_aux_loss", load_balancing_loss(probs, expert, valid))
         self.sow("losses", "router_z_loss", router_z_loss(logits, valid))
