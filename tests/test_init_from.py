@@ -260,9 +260,14 @@ def test_an_architecture_override_is_refused_before_the_workdir_is_written(sourc
     assert sorted(ALTERNATIVES) == sorted(init_from.ARCHITECTURE_FIELDS)
     for field, value in ALTERNATIVES.items():
         assert value != getattr(pretrained, field), field
+        message = rf"config\.model\.{field}={value!r} \(pretrained"
+        with pytest.raises(ValueError, match=message):
+            init_from.check_overrides(str(source), {field: value})
         config = tiny_config(**{field: value})
         config.init_from = str(source)
-        with pytest.raises(ConfigError, match=rf"config\.model\.{field}={value!r} \(pretrained"):
+        if field == "quantization":  # int8 cannot be trained at all: preflight says that first
+            message = r"config\.model\.quantization='int8': int8 is for inference only"
+        with pytest.raises(ConfigError, match=message):
             preflight.check_run(config, str(tmp_path / "run"), device_count=1)
     # Through train.py: refused before anything is read or written.
     config = tiny_config(num_experts=2, attention_window=3)
