@@ -13,6 +13,7 @@ before the workdir exists; every TransformerConfig field must be classified.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -173,6 +174,10 @@ def test_train_warns_on_stderr_when_a_same_architecture_fine_tune_initialises_an
     monkeypatch.setattr(train, "jit_train_step", stop)
     config = tiny_config(seed=1)
     config.init_from = str(source)
+    # As the unrolled fine-tunes above (every parameter frozen, seed 1): the same initial-state
+    # program, already compiled (the seed and the optimizer state are part of it). The warning
+    # comes from the restore, before the freeze is applied.
+    config.freeze = (".*",)
     with pytest.raises(Stop):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     err = capsys.readouterr().err
@@ -202,9 +207,11 @@ TRAINING_ALTERNATIVES = dict(
 )  # fmt: skip
 
 
-def parameter_shapes(config: TransformerConfig) -> dict[str, tuple]:
-    """Every parameter's shape in the unrolled layout (a scanned ``layers`` leaf `[N, ...]`
-    counted as N ``layers_i`` leaves of its row shape), from ``eval_shape`` (nothing runs)."""
+@functools.cache
+def abstract_params(config: TransformerConfig):
+    """The parameter tree of ``config``'s model as ``eval_shape`` gives it (nothing runs):
+    shapes and dtypes. Cached: the two tests below trace nine of the same configs (the base
+    model and eight training fields), and a trace is their whole cost."""
     import flax.linen as nn
 
     from flaxformer_lite import EncoderDecoder
@@ -213,8 +220,14 @@ def parameter_shapes(config: TransformerConfig) -> dict[str, tuple]:
     abstract = jax.eval_shape(
         lambda: EncoderDecoder(config).init(jax.random.key(0), tokens, tokens)["params"]
     )
+    return nn.meta.unbox(abstract)
+
+
+def parameter_shapes(config: TransformerConfig) -> dict[str, tuple]:
+    """Every parameter's shape in the unrolled layout (a scanned ``layers`` leaf `[N, ...]`
+    counted as N ``layers_i`` leaves of its row shape), from ``eval_shape`` (nothing runs)."""
     out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(abstract)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(config)):
         parts = [str(k.key) for k in path if hasattr(k, "key")]
         if "layers" in parts:
             k = parts.index("layers")
@@ -283,17 +296,9 @@ def test_an_architecture_override_is_refused_before_the_workdir_is_written(sourc
 
 def parameter_tree(config: TransformerConfig) -> dict[str, tuple]:
     """Every parameter's path, shape and dtype as initialised (``eval_shape``: nothing runs)."""
-    import flax.linen as nn
-
-    from flaxformer_lite import EncoderDecoder
-
-    tokens = jax.numpy.ones((1, 4), jax.numpy.int32)
-    abstract = jax.eval_shape(
-        lambda: EncoderDecoder(config).init(jax.random.key(0), tokens, tokens)["params"]
-    )
     return {
         jax.tree_util.keystr(path): (leaf.shape, str(leaf.dtype))
-        for path, leaf in jax.tree_util.tree_leaves_with_path(nn.meta.unbox(abstract))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(config))
     }
 
 
