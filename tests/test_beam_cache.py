@@ -46,7 +46,24 @@ MAX_LEN = 10
 
 
 def init_params(model, *args, seed: int = 2, scale: float = 4.0) -> dict:
-    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(seed), *args)["params"])
+    """Random float32 parameters in the shapes of ``model.init`` (traced by ``jax.eval_shape``,
+    drawn by NumPy: nothing is compiled): kernels and tables N(0, d_model^-1/2), biases
+    N(0, 0.1), norm scales 1 + N(0, 0.1); the output projection multiplied by ``scale``."""
+    shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), *args)["params"])
+    rng = np.random.default_rng(seed)
+    std = model.config.d_model**-0.5
+
+    def draw(path, leaf):
+        name = path[-1].key
+        if name == "scale":
+            x = 1.0 + 0.1 * rng.standard_normal(leaf.shape)
+        elif "bias" in name:
+            x = 0.1 * rng.standard_normal(leaf.shape)
+        else:
+            x = std * rng.standard_normal(leaf.shape)
+        return x.astype(np.float32)
+
+    params = jax.tree_util.tree_map_with_path(draw, shapes)
     params["decoder"]["logits"]["kernel"] = params["decoder"]["logits"]["kernel"] * scale
     return params
 
@@ -81,23 +98,28 @@ def test_grouped_attention_equals_attention_over_each_rows_gathered_history(kv_h
     causal = (np.arange(slots) <= 3)[None, None, None]  # [1, 1, q, slots]: slot 4 not written
     bias = rng.normal(size=(1, heads, 1, slots)).astype(np.float32)
 
-    mask = beam_cache.history_mask(jnp.asarray(ancestors), beam, 1, jnp.asarray(causal))
-    grouped = attention.dot_product_attention(
-        beam_cache.group_queries(jnp.asarray(query), beam),
-        beam_cache.group_keys(jnp.asarray(key), beam),
-        beam_cache.group_keys(jnp.asarray(value), beam),
-        mask,
-        beam_cache.group_bias(jnp.asarray(bias), rows, beam, 1, slots),
-    )
-    got = beam_cache.ungroup_queries(grouped, beam)
+    @jax.jit  # one compiled program each, not every operation compiled eagerly
+    def grouped_attention(query, key, value, ancestors, causal, bias):
+        mask = beam_cache.history_mask(ancestors, beam, 1, causal)
+        grouped = attention.dot_product_attention(
+            beam_cache.group_queries(query, beam),
+            beam_cache.group_keys(key, beam),
+            beam_cache.group_keys(value, beam),
+            mask,
+            beam_cache.group_bias(bias, rows, beam, 1, slots),
+        )
+        return beam_cache.ungroup_queries(grouped, beam)
+
+    got = grouped_attention(query, key, value, ancestors, causal, bias)
 
     source = (np.arange(rows) // beam * beam)[:, None] + ancestors  # [rows, slots]
     gathered_k = key[source, np.arange(slots)[None]]
     gathered_v = value[source, np.arange(slots)[None]]
-    want = attention.dot_product_attention(query, gathered_k, gathered_v, causal, bias)
+    reference = jax.jit(attention.dot_product_attention)
+    want = reference(query, gathered_k, gathered_v, causal, bias)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     # The ancestry matters: every row attending its own cache row gives something else.
-    own = attention.dot_product_attention(query, key, value, causal, bias)
+    own = reference(query, key, value, causal, bias)
     assert not np.allclose(np.asarray(got), np.asarray(own), atol=1e-3)
 
 
@@ -162,7 +184,7 @@ def test_attend_beams_equals_attention_over_grouped_keys(kv_heads, q_len):
         slots,
     )
     grouped = beam_cache.group_queries(query, beam)
-    want = attention.dot_product_attention(
+    want = jax.jit(attention.dot_product_attention)(
         grouped, beam_cache.group_keys(key, beam), beam_cache.group_keys(value, beam), mask, bias
     )
     got = jax.jit(beam_cache.attend_beams, static_argnums=5)(grouped, key, value, mask, bias, beam)

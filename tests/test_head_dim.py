@@ -55,6 +55,27 @@ def shapes(tree):
     return jax.tree_util.tree_map(lambda a: tuple(a.shape), nn.meta.unbox(tree))
 
 
+def random_params(model: nn.Module, *inputs, seed: int) -> dict:
+    """float32 parameters in the shapes of ``model.init`` (traced by ``jax.eval_shape``, drawn
+    by NumPy: nothing is compiled): kernels and tables N(0, d_model^-1/2), biases N(0, 0.1),
+    norm scales 1 + N(0, 0.1)."""
+    abstract = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), *inputs)["params"])
+    rng = np.random.default_rng(seed)
+    std = model.config.d_model**-0.5
+
+    def draw(path, leaf):
+        name = path[-1].key
+        if name == "scale":
+            x = 1.0 + 0.1 * rng.standard_normal(leaf.shape)
+        elif "bias" in name:
+            x = 0.1 * rng.standard_normal(leaf.shape)
+        else:
+            x = std * rng.standard_normal(leaf.shape)
+        return x.astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
 # ----------------------------------------------------------------------------- shapes
 
 
@@ -107,17 +128,21 @@ def _cached_logits(cache, step, prompt: jnp.ndarray) -> jnp.ndarray:
 def test_encoder_decoder_cached_decoding_equals_full_forward(cfg):
     model = EncoderDecoder(cfg)
     x, y = tokens(2, (7, 4), 7, 40), tokens(3, (6, 6), 6, 40)
-    params = jax.jit(model.init)(jax.random.key(1), x, y)["params"]
+    params = random_params(model, x, y, seed=1)
     full = jax.jit(model.apply)({"params": params}, x, y)
-    encoded = model.apply({"params": params}, x, method=model.encode)
+    encoded = jax.jit(lambda p, x: model.apply({"params": p}, x, method=model.encode))(params, x)
     shifted = jnp.concatenate([jnp.full((2, 1), cfg.bos_id, jnp.int32), y[:, :-1]], axis=1)
-    cache = model.init(
-        jax.random.key(0),
-        x,
-        shifted,
-        decode=True,
-        method=lambda m, x, d, decode: m.decode(m.encode(x), x, d, decode=decode),
-    )["cache"]
+    # The cache as init makes it; jitted: one compiled program (parameter draws unused, so
+    # dropped) instead of every initialiser run operation by operation.
+    cache = jax.jit(
+        lambda x, shifted: model.init(
+            jax.random.key(0),
+            x,
+            shifted,
+            decode=True,
+            method=lambda m, x, d, decode: m.decode(m.encode(x), x, d, decode=decode),
+        )["cache"]
+    )(x, shifted)
     step = jax.jit(
         lambda c, tok: model.apply(
             {"params": params, "cache": c},
@@ -141,10 +166,14 @@ def test_encoder_decoder_cached_decoding_equals_full_forward(cfg):
 def test_decoder_only_cached_decoding_equals_full_forward(cfg):
     model = DecoderOnly(cfg)
     y = tokens(4, (8, 8), 8, 40)
-    params = jax.jit(model.init)(jax.random.key(2), y)["params"]
+    params = random_params(model, y, seed=2)
     full = jax.jit(model.apply)({"params": params}, y)
     shifted = jnp.concatenate([jnp.full((2, 1), cfg.bos_id, jnp.int32), y[:, :-1]], axis=1)
-    cache = model.init(jax.random.key(0), shifted, decode=True, method=model.decode)["cache"]
+    cache = jax.jit(  # the cache as init makes it (jitted, as above)
+        lambda shifted: model.init(jax.random.key(0), shifted, decode=True, method=model.decode)[
+            "cache"
+        ]
+    )(shifted)
     step = jax.jit(
         lambda c, tok: model.apply(
             {"params": params, "cache": c}, tok, decode=True, mutable=["cache"], method=model.decode
@@ -158,7 +187,7 @@ def test_blockwise_equals_reference_attention_at_head_dim_12():
     """The COMBO model with blockwise attention against the same parameters with the reference
     ("xla") attention, which test_reference.py checks against NumPy at head_dim 12."""
     x, y = tokens(5, (9, 3), 9, 40), tokens(6, (7, 5), 7, 40)
-    params = jax.jit(EncoderDecoder(COMBO).init)(jax.random.key(3), x, y)["params"]
+    params = random_params(EncoderDecoder(COMBO), x, y, seed=3)
     reference = COMBO.replace(attention_implementation="xla")
     got = jax.jit(EncoderDecoder(COMBO).apply)({"params": params}, x, y)
     want = jax.jit(EncoderDecoder(reference).apply)({"params": params}, x, y)

@@ -183,8 +183,9 @@ SEQ2SEQ = LM.replace(position="sinusoidal", num_kv_heads=None)
 
 def _peaky_params(model, *inputs, seed=3):
     """Random parameters with the output embedding scaled up, so greedy choices are far from
-    ties and "same tokens" cannot hinge on float32 rounding."""
-    params = nn.meta.unbox(model.init(jax.random.key(seed), *inputs)["params"])
+    ties and "same tokens" cannot hinge on float32 rounding. ``init`` is jitted: one compiled
+    program (the same draws) instead of every initialiser compiled and run op by op."""
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(seed), *inputs)["params"])
     for name in [name for name in params if name.endswith("embedding")]:  # tied: the output too
         params[name]["embedding"] = params[name]["embedding"] * 4.0
     return params
@@ -219,7 +220,8 @@ def test_ring_cache_decoding_equals_uncached_forward(lm, chunks):
     model, params = lm
     n = sum(chunks)
     tokens = jnp.asarray(np.random.default_rng(5).integers(1, LM.vocab_size, (2, n)), jnp.int32)
-    full = model.apply({"params": params}, tokens, method=model.decode)  # no shift, no cache
+    # No shift, no cache; jitted (one program, not every operation compiled eagerly).
+    full = jax.jit(functools.partial(model.apply, method=model.decode))({"params": params}, tokens)
     cache = init_cache(model, params, 2, n)
     step = jax.jit(
         lambda c, t: model.apply(
@@ -234,7 +236,9 @@ def test_ring_cache_decoding_equals_uncached_forward(lm, chunks):
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5, rtol=1e-5)
     # The window matters: full attention gives other logits at the far positions.
     free = DecoderOnly(LM.replace(attention_window=None))
-    unrestricted = free.apply({"params": params}, tokens, method=free.decode)
+    unrestricted = jax.jit(functools.partial(free.apply, method=free.decode))(
+        {"params": params}, tokens
+    )
     assert float(jnp.max(jnp.abs(unrestricted[:, WINDOW + 1 :] - full[:, WINDOW + 1 :]))) > 1e-3
 
 
