@@ -139,7 +139,9 @@ def marian_folder(folder: Path, texts: list[str]) -> None:
         **TINY_MODEL,
     )
     x = jax.numpy.ones((1, 4), jax.numpy.int32)
-    params = EncoderDecoder(config).init(jax.random.key(0), x, x)["params"]
+    # Jitted: any random weights serve, and an eager init compiles op by op (several times
+    # the CPU seconds of one program).
+    params = jax.jit(EncoderDecoder(config).init)(jax.random.key(0), x, x)["params"]
     hf.save_pretrained(str(folder), config, params, tokenizer)
 
 

@@ -151,15 +151,18 @@ def final_params(workdir: Path):
 
 @pytest.fixture(scope="module")
 def generated_run(tmp_path_factory):
-    """A 40-step fine-tune of the encoder-frozen model on generated pairs."""
+    """The first 40 steps of a 45-step fine-tune of the encoder-frozen model on generated
+    pairs, stopped there with a checkpoint (test_resuming_ignores_init_from runs the rest: the
+    same config, so the train step compiled here serves it; the cosine schedule's length is
+    part of the program)."""
     root = tmp_path_factory.mktemp("finetune")
     data = root / "data"
     write_data(data, generated_pairs(400, 0), generated_pairs(40, 1))
     texts = [t for pair in generated_pairs(400, 0) for t in pair]
     pretrained = pretrained_folder(root / "pretrained", texts)
     workdir = root / "run"
-    config = finetune_config(pretrained, data, 40, freeze=("encoder/.*",))
-    train.train_and_evaluate(config, str(workdir))
+    config = finetune_config(pretrained, data, 45, freeze=("encoder/.*",))
+    train.train_and_evaluate(config, str(workdir), stop_at=40)
     return config, pretrained, workdir
 
 
@@ -247,6 +250,7 @@ def test_resuming_ignores_init_from(generated_run, capsys):
     more = finetune_config(
         Path(config.init_from), Path(config.data_dir), 45, freeze=("encoder/.*",)
     )
+    assert more == config  # the stopped run's own config, continued to its end
     train.train_and_evaluate(more, str(workdir))
     out = capsys.readouterr().out
     assert "resumed from step 40" in out and "init_from" in out and "ignored" in out
@@ -311,7 +315,8 @@ def test_translator_and_export_of_the_fine_tuned_run(generated_run, tmp_path):
     from flaxformer_lite import EncoderDecoder
 
     tgt = np.array([[5, 6, 0]], np.int32)
-    ours = EncoderDecoder(cfg).apply({"params": params}, src[:1], tgt)
+    # Jitted: an eager apply dispatches (and compiles) op by op.
+    ours = jax.jit(EncoderDecoder(cfg).apply)({"params": params}, src[:1], tgt)
     dec = torch.tensor([[cfg.bos_id, 5, 6]])
     with torch.no_grad():
         ref = model(

@@ -9,7 +9,7 @@ peak on the sentiment word: self-attention spreads it over the sequence first.)
 
 from __future__ import annotations
 
-import subprocess
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -18,10 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import EncoderClassifier, TransformerConfig
+from flaxformer_lite import EncoderClassifier, TransformerConfig, attention_maps
 from flaxformer_lite.attention_maps import classifier_pooling
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+
 FILLER = (
     "the movie story actor scene film plot camera music role director script screen "
     "character audience night ending start cast minute"
@@ -52,36 +56,32 @@ def trained(tmp_path_factory):
     write_tsv(root / "train.tsv", reviews(rng, 600))
     write_tsv(root / "dev.tsv", reviews(rng, 100))
     workdir = root / "run"
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "--config",
-        str(ROOT / "configs/imdb.py"),
-        "--workdir",
-        str(workdir),
-        f"--config.data_dir={root}",
-        "--config.vocab_size=64",
-        "--config.max_len=48",
-        "--config.batch_size=32",
-        "--config.num_train_steps=120",
-        "--config.warmup_steps=10",
-        "--config.learning_rate=3e-3",
-        "--config.eval_every=120",
-        "--config.checkpoint_every=120",
-        "--config.log_every=40",
-        "--config.model.d_model=32",
-        "--config.model.num_heads=2",
-        "--config.model.d_ff=64",
-        "--config.model.num_encoder_layers=1",
-        "--config.model.dropout_rate=0.0",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return root, workdir, done.stdout
+    # train.py's own train_and_evaluate in this process (a train.py subprocess proved nothing
+    # more and paid a Python, JAX and data-stack start-up), configs/imdb.py with the overrides
+    # the command line gave it.
+    spec = importlib.util.spec_from_file_location("imdb_config", ROOT / "configs/imdb.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    config.update(
+        data_dir=str(root),
+        vocab_size=64,
+        max_len=48,
+        batch_size=32,
+        num_train_steps=120,
+        warmup_steps=10,
+        learning_rate=3e-3,
+        eval_every=120,
+        checkpoint_every=120,
+        log_every=40,
+    )
+    config.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1, dropout_rate=0.0)
+    train.train_and_evaluate(config, str(workdir))
+    return root, workdir
 
 
 def test_training_learns_and_the_pooling_looks_at_the_sentiment_word(trained, tmp_path):
-    root, workdir, stdout = trained
+    root, workdir = trained
     import json
 
     lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -97,25 +97,9 @@ def test_training_learns_and_the_pooling_looks_at_the_sentiment_word(trained, tm
     assert result["label"] == 1
     assert classifier_pooling(str(workdir), "awful the movie plot role director")["label"] == 0
 
+    # The attention_maps CLI's main, in this process (a subprocess proved nothing more).
     out = tmp_path / "maps"
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flaxformer_lite.attention_maps",
-            "--workdir",
-            str(workdir),
-            "--text",
-            text,
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert attention_maps.main(["--workdir", str(workdir), "--text", text, "--out", str(out)]) == 0
     png = out / "pooling_attention.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -134,14 +118,16 @@ def test_pooling_weights_ignore_padding_and_sum_to_one():
     )
     model = EncoderClassifier(cfg)
     x = jnp.array([[5, 6, 7, 8, 1, 0, 0], [9, 10, 1, 0, 0, 0, 0]], jnp.int32)
-    params = model.init(jax.random.key(0), x)["params"]
-    logits, state = model.apply({"params": params}, x, mutable=["intermediates"])
+    # Jitted: eagerly, init and apply dispatch (and compile) op by op, several times the CPU.
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+    apply = jax.jit(model.apply, static_argnames="mutable")
+    logits, state = apply({"params": params}, x, mutable=("intermediates",))
     weights = np.asarray(state["intermediates"]["pooling_weights"][0])
     np.testing.assert_allclose(weights.sum(-1), [1.0, 1.0], rtol=1e-6)
     assert np.all(weights[np.asarray(x) == cfg.pad_id] == 0.0)
     # More padding changes nothing.
     longer = jnp.pad(x, ((0, 0), (0, 4)))
-    np.testing.assert_allclose(model.apply({"params": params}, longer), logits, atol=1e-6)
+    np.testing.assert_allclose(apply({"params": params}, longer), logits, atol=1e-6)
 
 
 def test_pooling_figure_refuses_a_mean_pooled_run(tmp_path):

@@ -125,13 +125,16 @@ def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path, monk
 
 
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
-    config = tiny_config(num_train_steps=8, eval_every=0, checkpoint_every=100, log_every=4)
+    # num_train_steps stays tiny_config's 40 (the cosine schedule's length is part of the
+    # compiled train step): the program the test above compiled serves all three runs, which
+    # end at step 8 through stop_at (train.py's preemption path: the step, then a checkpoint).
+    config = tiny_config(eval_every=0, checkpoint_every=100, log_every=4)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train.train_and_evaluate(config, str(straight))
+    train.train_and_evaluate(config, str(straight), stop_at=8)
     train.train_and_evaluate(config, str(resumed), stop_at=4)
     state_half, data_half = final_params(resumed)
     assert int(state_half["step"]) == 4 and data_half["train"] == {"index": 4}
-    train.train_and_evaluate(config, str(resumed))
+    train.train_and_evaluate(config, str(resumed), stop_at=8)
     a, _ = final_params(straight)
     b, data = final_params(resumed)
     assert int(a["step"]) == int(b["step"]) == 8 and data["train"] == {"index": 8}
@@ -196,8 +199,12 @@ def _wait_for_checkpoint(workdir: Path | str, proc: subprocess.Popen, timeout: f
 def test_sigterm_saves_the_step_it_prints_and_the_rerun_resumes_there(tmp_path):
     workdir = tmp_path / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # Constant after warmup: unlike the default cosine schedule, its compiled train step does
+    # not depend on num_train_steps, so the rerun loads the first run's program from the
+    # compilation cache instead of compiling its own.
+    schedule = {"schedule": "constant"}
     proc = subprocess.Popen(
-        _train_cmd(workdir, 100000),
+        _train_cmd(workdir, 100000, **schedule),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -217,7 +224,11 @@ def test_sigterm_saves_the_step_it_prints_and_the_rerun_resumes_there(tmp_path):
     assert int(state["step"]) == n and data["train"] == {"index": n}  # and it holds step N
     target = n + 7
     done = subprocess.run(
-        _train_cmd(workdir, target), capture_output=True, text=True, env=env, timeout=300
+        _train_cmd(workdir, target, **schedule),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"resumed from step {n} " in done.stdout
