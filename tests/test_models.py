@@ -222,13 +222,13 @@ def test_remat_gives_the_same_loss_and_gradients():
 def test_dropout_is_active_only_when_not_deterministic():
     model = DecoderOnly(TINY)
     y = tokens(np.random.default_rng(3), 2, 5, TINY.vocab_size)
-    params = model.init(jax.random.key(0), y)["params"]
-    det1 = model.apply({"params": params}, y)
-    det2 = model.apply({"params": params}, y, deterministic=True)
+    # Jitted: cold, op-by-op eager dispatch of these calls cost more CPU than the compiles.
+    params = jax.jit(model.init)(jax.random.key(0), y)["params"]
+    apply = jax.jit(model.apply, static_argnames="deterministic")
+    det1 = apply({"params": params}, y)
+    det2 = apply({"params": params}, y, deterministic=True)
     np.testing.assert_array_equal(det1, det2)
-    noisy = model.apply(
-        {"params": params}, y, deterministic=False, rngs={"dropout": jax.random.key(5)}
-    )
+    noisy = apply({"params": params}, y, deterministic=False, rngs={"dropout": jax.random.key(5)})
     assert np.abs(np.asarray(noisy - det1)).max() > 1e-3
 
 
@@ -283,7 +283,7 @@ def test_bad_input_names_the_argument(call, name):
     cfg = TINY.replace(position="learned")
     model = EncoderDecoder(cfg)
     x = jnp.ones((1, 4), jnp.int32)
-    params = model.init(jax.random.key(0), x, x)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), x, x)["params"]
     with pytest.raises(ValueError, match=name):
         call(model, params, x)
 
