@@ -124,15 +124,18 @@ def test_packed_rows_equal_separate_examples(seq2seq):
 def test_cached_decoding_equals_full_forward(seq2seq):
     cfg, model, params, apply, x, y = seq2seq
     full = apply({"params": params}, x, y)
-    encoded = model.apply({"params": params}, x, method=model.encode)
+    # encode and the cache's init jitted: cold, op-by-op eager dispatch cost more CPU
+    encoded = jax.jit(lambda p, x: model.apply({"params": p}, x, method=model.encode))(params, x)
     shifted = jnp.concatenate([jnp.full((2, 1), cfg.bos_id, jnp.int32), y[:, :-1]], axis=1)
-    cache = model.init(
-        jax.random.key(0),
-        x,
-        shifted,
-        decode=True,
-        method=lambda m, x, d, decode: m.decode(m.encode(x), x, d, decode=decode),
-    )["cache"]
+    cache = jax.jit(
+        lambda x, d: model.init(
+            jax.random.key(0),
+            x,
+            d,
+            decode=True,
+            method=lambda m, x, d, decode: m.decode(m.encode(x), x, d, decode=decode),
+        )["cache"]
+    )(x, shifted)
     step = jax.jit(
         lambda p, c, tok: model.apply(
             {"params": p, "cache": c},
@@ -168,14 +171,8 @@ def test_three_models_shapes_dtypes_jit_grad(dtype):
     if dtype == "bfloat16":  # the decoder-only and classifier paths are the same layers
         cases = cases[:1]
     for model, args, shape in cases:
-        params = jax.jit(model.init)(jax.random.key(0), *args)["params"]
-        leaves = jax.tree_util.tree_leaves(nn.meta.unbox(params))
-        assert all(p.dtype == jnp.float32 for p in leaves)  # params stay float32
-        out = jax.jit(model.apply)({"params": params}, *args)
-        assert out.shape == shape and out.dtype == jnp.float32
-        assert np.isfinite(np.asarray(out)).all()
 
-        def loss(p, args=args, model=model):
+        def loss(p, args, model=model):
             return jnp.mean(
                 model.apply(
                     {"params": p}, *args, deterministic=False, rngs={"dropout": jax.random.key(1)}
@@ -183,7 +180,18 @@ def test_three_models_shapes_dtypes_jit_grad(dtype):
                 ** 2
             )
 
-        grads = jax.jit(jax.grad(loss))(params)
+        # init, apply and the gradient in one jitted program (one compile per model, not three)
+        @jax.jit
+        def init_apply_grad(args, model=model, loss=loss):
+            params = model.init(jax.random.key(0), *args)["params"]
+            out = model.apply({"params": params}, *args)
+            return params, out, jax.grad(loss)(params, args)
+
+        params, out, grads = init_apply_grad(args)
+        leaves = jax.tree_util.tree_leaves(nn.meta.unbox(params))
+        assert all(p.dtype == jnp.float32 for p in leaves)  # params stay float32
+        assert out.shape == shape and out.dtype == jnp.float32
+        assert np.isfinite(np.asarray(out)).all()
         norms = [
             float(jnp.linalg.norm(g.astype(jnp.float32)))
             for g in jax.tree_util.tree_leaves(nn.meta.unbox(grads))
@@ -214,20 +222,20 @@ def test_remat_gives_the_same_loss_and_gradients():
 def test_dropout_is_active_only_when_not_deterministic():
     model = DecoderOnly(TINY)
     y = tokens(np.random.default_rng(3), 2, 5, TINY.vocab_size)
-    params = model.init(jax.random.key(0), y)["params"]
-    det1 = model.apply({"params": params}, y)
-    det2 = model.apply({"params": params}, y, deterministic=True)
+    # Jitted: cold, op-by-op eager dispatch of these calls cost more CPU than the compiles.
+    params = jax.jit(model.init)(jax.random.key(0), y)["params"]
+    apply = jax.jit(model.apply, static_argnames="deterministic")
+    det1 = apply({"params": params}, y)
+    det2 = apply({"params": params}, y, deterministic=True)
     np.testing.assert_array_equal(det1, det2)
-    noisy = model.apply(
-        {"params": params}, y, deterministic=False, rngs={"dropout": jax.random.key(5)}
-    )
+    noisy = apply({"params": params}, y, deterministic=False, rngs={"dropout": jax.random.key(5)})
     assert np.abs(np.asarray(noisy - det1)).max() > 1e-3
 
 
 def test_parameters_carry_logical_axis_names():
     model = EncoderDecoder(TINY)
     x = jnp.ones((1, 4), jnp.int32)
-    boxed = model.init(jax.random.key(0), x, x)["params"]
+    boxed = jax.eval_shape(model.init, jax.random.key(0), x, x)["params"]  # names, no values
     specs = nn.get_partition_spec(boxed)
     q = specs["encoder"]["layers_0"]["self_attention"]["query"]["kernel"]
     assert tuple(q) == ("embed", "heads", "kv")
@@ -275,7 +283,7 @@ def test_bad_input_names_the_argument(call, name):
     cfg = TINY.replace(position="learned")
     model = EncoderDecoder(cfg)
     x = jnp.ones((1, 4), jnp.int32)
-    params = model.init(jax.random.key(0), x, x)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), x, x)["params"]
     with pytest.raises(ValueError, match=name):
         call(model, params, x)
 

@@ -123,13 +123,13 @@ def _mixture_float64(params, x, k, activation):
 def test_block_matches_a_float64_mixture_without_capacity(k, activation):
     block = moe.MoeBlock(num_experts=4, k=k, d_ff=16, activation=activation)
     x = jax.random.normal(jax.random.key(0), (2, 5, 8))
-    params = nn.meta.unbox(block.init(jax.random.key(1), x)["params"])
+    params = nn.meta.unbox(jax.eval_shape(block.init, jax.random.key(1), x)["params"])
     rng = np.random.default_rng(0)  # non-zero biases and a router that is not near-uniform
     params = {
         name: (rng.standard_normal(v.shape) * (1.0 if name == "router" else 0.3)).astype(np.float32)
         for name, v in params.items()
     }
-    out = block.apply({"params": params}, x, deterministic=True)
+    out = jax.jit(functools.partial(block.apply, deterministic=True))({"params": params}, x)
     np.testing.assert_allclose(out, _mixture_float64(params, x, k, activation), atol=2e-5)
 
 
@@ -181,13 +181,11 @@ def test_capacity_counts_real_tokens_only_against_a_float64_routing(k):
     valid = np.ones((3, 12), bool)
     valid[0, 7:] = False  # trailing padding
     valid[1, [1, 4, 5, 10]] = False  # padding between real tokens
-    params = nn.meta.unbox(block.init(jax.random.key(1), jnp.asarray(x))["params"])
+    params = nn.meta.unbox(jax.eval_shape(block.init, jax.random.key(1), jnp.asarray(x))["params"])
     params = {n: (rng.standard_normal(v.shape) * 0.5).astype(np.float32) for n, v in params.items()}
     params["router"] = params["router"] * 4.0  # far from uniform: experts overflow
-    out, state = block.apply(
-        {"params": params}, jnp.asarray(x), jnp.asarray(valid), deterministic=False,
-        mutable=["losses"],
-    )  # fmt: skip
+    apply = jax.jit(functools.partial(block.apply, deterministic=False, mutable=["losses"]))
+    out, state = apply({"params": params}, jnp.asarray(x), jnp.asarray(valid))
     expected, weights = _capacity_mixture_float64(params, x, valid, k, factor)
     kept = (weights > 0).sum()
     assert 0 < kept < valid.sum() * k  # capacity binds
@@ -196,7 +194,7 @@ def test_capacity_counts_real_tokens_only_against_a_float64_routing(k):
     assert dropped == pytest.approx(1.0 - kept / (valid.sum() * k), abs=1e-6)
     # Row 1 without its pads: the same outputs at its real tokens.
     compact = x[1][valid[1]][None]
-    alone = block.apply({"params": params}, jnp.asarray(compact), deterministic=False)
+    alone, _ = apply({"params": params}, jnp.asarray(compact))
     np.testing.assert_allclose(alone[0], out[1][valid[1]], atol=2e-5)
 
 
@@ -205,29 +203,30 @@ def test_one_expert_top1_without_limit_is_the_dense_block(activation):
     dense = MlpBlock(d_ff=16, activation=activation)
     block = moe.MoeBlock(num_experts=1, k=1, d_ff=16, capacity_factor=None, activation=activation)
     x = jax.random.normal(jax.random.key(0), (3, 7, 8))
-    dp = nn.meta.unbox(dense.init(jax.random.key(1), x)["params"])
-    mp = nn.meta.unbox(block.init(jax.random.key(2), x)["params"])
+    dp = nn.meta.unbox(jax.jit(dense.init)(jax.random.key(1), x)["params"])
+    mp = nn.meta.unbox(jax.jit(block.init)(jax.random.key(2), x)["params"])
     mp["wi"], mp["wi_bias"] = dp["wi"]["kernel"][None], dp["wi"]["bias"][None] + 0.1
     dp["wi"]["bias"] = dp["wi"]["bias"] + 0.1
     mp["wo"], mp["wo_bias"] = dp["wo"]["kernel"][None], dp["wo"]["bias"][None]
     if activation == "swiglu":
         mp["wi_up"], mp["wi_up_bias"] = dp["wi_up"]["kernel"][None], dp["wi_up"]["bias"][None]
-    y_dense = dense.apply({"params": dp}, x)
-    y_moe = block.apply({"params": mp}, x, deterministic=False)  # training: capacity None
+    y_dense = jax.jit(dense.apply)({"params": dp}, x)
+    # training: capacity None
+    y_moe = jax.jit(functools.partial(block.apply, deterministic=False))({"params": mp}, x)
     np.testing.assert_allclose(y_moe, y_dense, rtol=1e-6, atol=1e-6)
 
 
 def test_capacity_drops_in_training_only():
     block = moe.MoeBlock(num_experts=2, k=1, d_ff=8, capacity_factor=0.5)
     x = jax.random.normal(jax.random.key(0), (1, 8, 4))
-    variables = block.init(jax.random.key(1), x)
-    params = variables["params"]
-    train, state = block.apply(
-        {"params": params}, x, deterministic=False, mutable=["losses"]
+    params = jax.jit(block.init)(jax.random.key(1), x)["params"]
+    apply = jax.jit(block.apply, static_argnames=("deterministic", "mutable"))
+    train, state = apply(
+        {"params": params}, x, deterministic=False, mutable=("losses",)
     )  # capacity ceil(0.5 * 8 / 2) = 2 per expert: at most 4 of 8 tokens kept
     dropped = float(state["losses"]["moe_dropped"][0])
     assert dropped >= 0.5
-    evaluation, state = block.apply({"params": params}, x, deterministic=True, mutable=["losses"])
+    evaluation, state = apply({"params": params}, x, deterministic=True, mutable=("losses",))
     assert float(state["losses"]["moe_dropped"][0]) == 0.0
     zero_rows = np.all(np.asarray(train[0]) == 0.0, axis=-1)
     assert zero_rows.sum() == round(dropped * 8)  # a dropped token gets nothing from the block
@@ -271,28 +270,35 @@ def test_cached_decoding_equals_full_forward_with_experts():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.integers(3, 40, size=(2, 7)), jnp.int32).at[1, 5:].set(0)
     y = jnp.asarray(rng.integers(3, 40, size=(2, 6)), jnp.int32)
-    params = model.init(jax.random.key(0), x, y)["params"]
-    full = model.apply({"params": params}, x, y)
-    encoded = model.apply({"params": params}, x, method=model.encode)
+    # Every call jitted (the decode step compiled once for all 6 steps): cold, op-by-op eager
+    # dispatch of the MoE model cost more CPU than these four compiles.
+    params = jax.jit(model.init)(jax.random.key(0), x, y)["params"]
+    full = jax.jit(model.apply)({"params": params}, x, y)
+    encoded = jax.jit(lambda p, x: model.apply({"params": p}, x, method=model.encode))(params, x)
     shifted = jnp.concatenate([jnp.full((2, 1), MOE.bos_id, jnp.int32), y[:, :-1]], axis=1)
-    cache = model.init(
-        jax.random.key(0),
-        x,
-        shifted,
-        decode=True,
-        method=lambda m, x, d, decode: m.decode(m.encode(x), x, d, decode=decode),
-    )["cache"]
-    outs = []
-    for t in range(shifted.shape[1]):
-        logits, state = model.apply(
-            {"params": params, "cache": cache},
+    cache = jax.jit(
+        lambda x, d: model.init(
+            jax.random.key(0),
+            x,
+            d,
+            decode=True,
+            method=lambda m, x, d, decode: m.decode(m.encode(x), x, d, decode=decode),
+        )["cache"]
+    )(x, shifted)
+    step = jax.jit(
+        lambda c, tok: model.apply(
+            {"params": params, "cache": c},
             encoded,
             x,
-            shifted[:, t : t + 1],
+            tok,
             decode=True,
             mutable=["cache"],
             method=model.decode,
         )
+    )
+    outs = []
+    for t in range(shifted.shape[1]):
+        logits, state = step(cache, shifted[:, t : t + 1])
         cache = state["cache"]
         outs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
@@ -447,10 +453,10 @@ def test_gradient_accumulation_gives_the_whole_batch_auxiliary_losses(capacity_f
         metrics[k] = {key: float(v) / float(m["count"]) for key, v in m.items() if "moe" in key}
         metrics[k]["router_z_loss"] = float(m["router_z_loss"]) / float(m["count"])
     # The reference: each block's own losses over the whole batch, averaged over layers.
-    _, state_ = model.apply(
-        {"params": params}, batch["inputs"], batch["targets"], deterministic=False,
-        mutable=["losses"],
-    )  # fmt: skip
+    # Jitted: one compile instead of op-by-op eager dispatch (8 of the test's CPU seconds cold).
+    _, state_ = jax.jit(
+        lambda p, x, y: model.apply({"params": p}, x, y, deterministic=False, mutable=["losses"])
+    )(params, batch["inputs"], batch["targets"])
     flat = jax.tree_util.tree_flatten_with_path(state_["losses"])[0]
     for key in train.MOE_KEYS:
         values = [float(v) for path, v in flat if path[-2].key == key]

@@ -142,7 +142,7 @@ def seq2seq(cfg: TransformerConfig = TINY):
     """(model, params, jitted apply) of an EncoderDecoder, built once per config."""
     model = EncoderDecoder(cfg)
     x, y = jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
-    params = scaled_tables(nn.meta.unbox(model.init(jax.random.key(0), x, y)["params"]))
+    params = scaled_tables(nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), x, y)["params"]))
     return model, params, jax.jit(model.apply)
 
 
@@ -150,7 +150,7 @@ def seq2seq(cfg: TransformerConfig = TINY):
 def decoder_only(cfg: TransformerConfig = TINY):
     model = DecoderOnly(cfg)
     params = scaled_tables(
-        nn.meta.unbox(model.init(jax.random.key(1), jnp.ones((1, 4), jnp.int32))["params"])
+        nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), jnp.ones((1, 4), jnp.int32))["params"])
     )
     return model, params, jax.jit(model.apply)
 
@@ -227,18 +227,24 @@ def test_packed_rows_equal_separate_examples():
 
 def _step_by_step(model, params, step_inputs, chunks, *context):
     """Logits of ``step_inputs`` `[b, t]` fed to the cache in ``chunks`` (lengths summing to
-    t), after an allocation call of the full width."""
-    _, cache = model.apply(
-        {"params": params}, *context, jnp.zeros_like(step_inputs), decode=True,
-        mutable=["cache"], method=model.decode,
-    )  # fmt: skip
+    t), after an allocation call of the full width. Jitted (one compile per chunk length):
+    cold, op-by-op eager dispatch cost more CPU than the compiles."""
+    _, cache = jax.jit(
+        lambda context, inputs: model.apply(
+            {"params": params}, *context, inputs, decode=True, mutable=["cache"],
+            method=model.decode,
+        )
+    )(context, jnp.zeros_like(step_inputs))  # fmt: skip
     cache = jax.tree.map(jnp.zeros_like, cache["cache"])
+    step = jax.jit(
+        lambda cache, context, inputs: model.apply(
+            {"params": params, "cache": cache}, *context, inputs, decode=True,
+            mutable=["cache"], method=model.decode,
+        )
+    )  # fmt: skip
     out, start = [], 0
     for n in chunks:
-        logits, vars_ = model.apply(
-            {"params": params, "cache": cache}, *context, step_inputs[:, start : start + n],
-            decode=True, mutable=["cache"], method=model.decode,
-        )  # fmt: skip
+        logits, vars_ = step(cache, context, step_inputs[:, start : start + n])
         cache, start = vars_["cache"], start + n
         out.append(np.asarray(logits))
     return np.concatenate(out, axis=1)
@@ -249,7 +255,7 @@ def test_cached_decoding_equals_full_forward_encoder_decoder():
     rng = np.random.default_rng(2)
     x, y = tokens(rng, (8, 5), 8, 40), tokens(rng, (9, 9), 9, 40)
     full = np.asarray(apply({"params": params}, x, y))
-    encoded = model.apply({"params": params}, x, method=model.encode)
+    encoded = jax.jit(lambda p, x: model.apply({"params": p}, x, method=model.encode))(params, x)
     # a 3-token prompt at once, then one token per step (distances up to 8 > max_distance 6)
     cached = _step_by_step(
         model, params, shift_right(jnp.asarray(y), TINY.bos_id), (3, 1, 1, 1, 1, 1, 1), encoded, x
@@ -301,7 +307,7 @@ def test_scan_layers_keeps_one_unstacked_table_per_stack():
     model = EncoderDecoder(cfg)
     rng = np.random.default_rng(5)
     x, y = tokens(rng, (8, 5), 8, 40), tokens(rng, (6, 4), 6, 40)
-    params = nn.meta.unbox(model.init(jax.random.key(2), x, y)["params"])
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(2), x, y)["params"])
     for stack in ("encoder", "decoder"):
         assert np.shape(params[stack]["relative_bias"]["embedding"]) == (8, cfg.num_heads)
         assert "relative_bias" not in params[stack]["layers"]["self_attention"]
