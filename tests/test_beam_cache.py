@@ -11,12 +11,12 @@ a search that does not follow the parents gives other tokens).
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
+from random_weights import random_params  # tests/random_weights.py
 
 from flaxformer_lite import attention, beam_cache, decoding
 from flaxformer_lite import generate as gen
@@ -46,24 +46,8 @@ MAX_LEN = 10
 
 
 def init_params(model, *args, seed: int = 2, scale: float = 4.0) -> dict:
-    """Random float32 parameters in the shapes of ``model.init`` (traced by ``jax.eval_shape``,
-    drawn by NumPy: nothing is compiled): kernels and tables N(0, d_model^-1/2), biases
-    N(0, 0.1), norm scales 1 + N(0, 0.1); the output projection multiplied by ``scale``."""
-    shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), *args)["params"])
-    rng = np.random.default_rng(seed)
-    std = model.config.d_model**-0.5
-
-    def draw(path, leaf):
-        name = path[-1].key
-        if name == "scale":
-            x = 1.0 + 0.1 * rng.standard_normal(leaf.shape)
-        elif "bias" in name:
-            x = 0.1 * rng.standard_normal(leaf.shape)
-        else:
-            x = std * rng.standard_normal(leaf.shape)
-        return x.astype(np.float32)
-
-    params = jax.tree_util.tree_map_with_path(draw, shapes)
+    """``random_params`` of ``model`` with the output projection multiplied by ``scale``."""
+    params = random_params(model, *args, seed=seed)
     params["decoder"]["logits"]["kernel"] = params["decoder"]["logits"]["kernel"] * scale
     return params
 

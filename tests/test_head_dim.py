@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from random_weights import random_params  # tests/random_weights.py
 
 from flaxformer_lite import DecoderOnly, EncoderDecoder, TransformerConfig, hf, sharding
 
@@ -53,27 +54,6 @@ def tokens(seed: int, lengths, length: int, vocab: int) -> jnp.ndarray:
 
 def shapes(tree):
     return jax.tree_util.tree_map(lambda a: tuple(a.shape), nn.meta.unbox(tree))
-
-
-def random_params(model: nn.Module, *inputs, seed: int) -> dict:
-    """float32 parameters in the shapes of ``model.init`` (traced by ``jax.eval_shape``, drawn
-    by NumPy: nothing is compiled): kernels and tables N(0, d_model^-1/2), biases N(0, 0.1),
-    norm scales 1 + N(0, 0.1)."""
-    abstract = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), *inputs)["params"])
-    rng = np.random.default_rng(seed)
-    std = model.config.d_model**-0.5
-
-    def draw(path, leaf):
-        name = path[-1].key
-        if name == "scale":
-            x = 1.0 + 0.1 * rng.standard_normal(leaf.shape)
-        elif "bias" in name:
-            x = 0.1 * rng.standard_normal(leaf.shape)
-        else:
-            x = std * rng.standard_normal(leaf.shape)
-        return x.astype(np.float32)
-
-    return jax.tree_util.tree_map_with_path(draw, abstract)
 
 
 # ----------------------------------------------------------------------------- shapes

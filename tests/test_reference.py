@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpy_reference as ref  # tests/numpy_reference.py (pytest puts tests/ on sys.path)
 import pytest
+from random_weights import random_params  # tests/random_weights.py
 
 from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig
 
@@ -47,28 +48,6 @@ def padded_tokens(
     for row, n in enumerate(lengths):
         t[row, n:] = pad
     return t
-
-
-def random_params(model: nn.Module, *inputs, seed: int = 1):
-    """float32 NumPy parameters of ``model`` drawn away from its initialisation: biases and norm
-    offsets non-zero, norm scales 1 +- 0.1 (so a dropped or misplaced one changes the logits),
-    tables and kernels N(0, d_model^-1/2). Shapes come from ``jax.eval_shape`` of ``init``:
-    nothing is compiled and no JAX op runs per leaf."""
-    shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), *inputs)["params"])
-    rng = np.random.default_rng(seed)
-    std = model.config.d_model**-0.5
-
-    def draw(path, leaf):
-        name = path[-1].key
-        if name == "scale":
-            x = 1.0 + 0.1 * rng.standard_normal(leaf.shape)
-        elif "bias" in name:
-            x = 0.1 * rng.standard_normal(leaf.shape)
-        else:
-            x = std * rng.standard_normal(leaf.shape)
-        return x.astype(np.float32)
-
-    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 @functools.cache
