@@ -20,11 +20,15 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests -q -n 2 --durations=10
 
+# ruff, then import-linter's contracts in pyproject.toml: subpackages import only downward, and
+# no modules import each other in a circle.
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: $(VENV)/.installed
 	$(PY) -m ruff format .
@@ -39,7 +43,7 @@ M30K_DATA ?= ../shared/data/multi30k
 M30K_WORKDIR ?= runs/m30k
 multi30k: $(VENV)/.installed
 	$(PY) train.py --config configs/multi30k.py --config.data_dir=$(M30K_DATA) --workdir $(M30K_WORKDIR)
-	$(PY) -m flaxformer_lite.evaluate --workdir $(M30K_WORKDIR) \
+	$(PY) -m flaxformer_lite.cli.evaluate --workdir $(M30K_WORKDIR) \
 		--source $(M30K_DATA)/test2016.en --reference $(M30K_DATA)/test2016.de \
 		--output $(M30K_WORKDIR)/test2016.hyp --report $(M30K_WORKDIR)/test2016.json
 
