@@ -21,7 +21,7 @@ from test_sharding import final_loss, run_train, saved_state  # tests/ is on sys
 
 from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig
 from flaxformer_lite.nn import moe
-from flaxformer_lite.nn.layers import MlpBlock
+from flaxformer_lite.nn.mlp import MlpBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402
