@@ -8,7 +8,6 @@ import os
 import signal
 import struct
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -23,8 +22,7 @@ from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
 from flaxformer_lite.inference.translator import load_vocabularies
 from flaxformer_lite.training.metrics import MetricWriter, read_metrics
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_train import ROOT, _train_cmd, _wait_for_checkpoint, final_params  # noqa: E402
+from helpers.runs import ROOT, saved_state, train_cmd, wait_for_checkpoint
 
 STEPS = 20  # room for the kill to land mid-run: saves 10, 15 and 20 each wait for the one before
 SOURCES = ["31415", "2718", "1414", "57721", "6"]
@@ -56,11 +54,11 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    cmd = lambda workdir: _train_cmd(workdir, STEPS, decode_eval=False)  # noqa: E731
+    cmd = lambda workdir: train_cmd(workdir, STEPS, decode_eval=False)  # noqa: E731
     popen = dict(cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     killed = subprocess.Popen(cmd(run), **popen)
-    first = _wait_for_checkpoint(run, killed)
+    first = wait_for_checkpoint(run, killed)
     killed.send_signal(signal.SIGKILL)
     out, _ = killed.communicate(timeout=60)
     assert killed.returncode == -signal.SIGKILL, out  # killed mid-run, not after it ended
@@ -82,7 +80,7 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     assert reference.wait(timeout=300) == 0, reference_log.read_text()
 
     # The whole train state (parameters, Adam moments, step, RNG) and the data position.
-    (a, data_a), (b, data_b) = final_params(tmp_path / "reference"), final_params(run)
+    (a, data_a), (b, data_b) = saved_state(tmp_path / "reference"), saved_state(run)
     assert int(b["step"]) == STEPS and data_a == data_b == {"train": {"index": STEPS}}
     leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(leaves_a) == len(leaves_b) > 10

@@ -260,14 +260,11 @@ def test_synthetic_one_input_left_trains_on_it_only(tmp_path):
 def test_train_leaves_no_workdir_behind_when_the_data_is_refused(tmp_path):
     """Through train.py's loop: the DataError comes out, and the workdir it had to create for
     the vocabulary and token cache is gone again (an existing one stays, as it was)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from test_preflight import tiny_config
-
     import train
 
-    config = tiny_config()
+    from helpers.tiny_configs import two_step_config
+
+    config = two_step_config()
     config.synthetic.update(min_len=1, max_len=1, num_symbols=2, num_eval=2)
     with pytest.raises(DataError, match=r"config\.synthetic\.num_eval=2 must be in \[1, 2\)"):
         train.train_and_evaluate(config, str(tmp_path / "new"))

@@ -17,11 +17,10 @@ import pytest
 
 from flaxformer_lite.data.tasks.translation import build_translation_data
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
 
-from multihost_worker import SENTENCES, translation_config  # noqa: E402
-from test_sharding import free_port  # noqa: E402
+from helpers.multihost_worker import SENTENCES, translation_config
+from helpers.runs import free_port
 
 EN = "a the man woman dog cat runs sits on in red blue big small park house".split()
 DE = "ein der mann frau hund katze läuft sitzt auf im rot blau groß klein park haus".split()
@@ -52,7 +51,7 @@ def run_workers(out: Path, workdir: Path, data_dir: Path, num_processes: int, de
         subprocess.Popen(
             [
                 sys.executable,
-                str(ROOT / "tests/multihost_worker.py"),
+                str(ROOT / "tests/helpers/multihost_worker.py"),
                 str(out),
                 str(workdir),
                 str(data_dir),

@@ -1005,7 +1005,7 @@ def test_special_ids_are_defined_in_one_place():
     from flaxformer_lite.nn.config import TransformerConfig
 
     names = {"PAD_ID", "EOS_ID", "BOS_ID", "UNK_ID"}
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     sources = [
         *(root / "flaxformer_lite").rglob("*.py"),
         root / "train.py",

@@ -35,7 +35,7 @@ from flaxformer_lite.decoding.search import BOS_ID, EOS_ID, PAD_ID, length_penal
 from flaxformer_lite.models import EncoderDecoder
 from flaxformer_lite.nn.config import TransformerConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG = TransformerConfig(
     vocab_size=24,
@@ -386,14 +386,14 @@ def test_cache_sharding_leaves_what_the_mesh_does_not_divide_whole():
 
 @pytest.fixture(scope="module")
 def sharded_decoding(tmp_path_factory):
-    """tests/sharded_decode_helper.py on 8 simulated devices: one device, (8,1,1) and
+    """tests/helpers/sharded_decode.py on 8 simulated devices: one device, (8,1,1) and
     (2,1,4), greedy and beam 4, continue_prompt and the Translator, in one subprocess."""
     out = tmp_path_factory.mktemp("sharded_decoding")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "sharded_decode_helper.py"), str(out)],
+        [sys.executable, str(ROOT / "tests" / "helpers" / "sharded_decode.py"), str(out)],
         env=env,
         capture_output=True,
         text=True,

@@ -1,8 +1,8 @@
-"""One process of the multi-host input tests (run by tests/test_multihost_data.py, not
+"""One process of the multi-host input tests (run by tests/data/test_multihost_data.py, not
 collected by pytest): builds the translation task on a shared workdir, writes what this
 process got, and decodes the eval sources on a mesh with a permuted device order.
 
-    python tests/multihost_worker.py OUT WORKDIR DATA_DIR PROCESS_ID NUM_PROCESSES ADDRESS
+    python tests/helpers/multihost_worker.py OUT WORKDIR DATA_DIR PROCESS_ID NUM_PROCESSES ADDRESS
 """
 
 from __future__ import annotations
@@ -12,14 +12,17 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# Run by path, this script has only its own folder on sys.path: add the repository root
+# (flaxformer_lite) and tests/ (helpers), as tests/conftest.py does for the test modules.
+ROOT = Path(__file__).resolve().parents[2]
+for _path in (ROOT, ROOT / "tests"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
-from sharded_decode_helper import init as init_params  # noqa: E402  (tests/, the script's folder)
 
 from flaxformer_lite.core import sharding  # noqa: E402
 from flaxformer_lite.data import tasks
@@ -27,6 +30,8 @@ from flaxformer_lite.data import workdir as workdir_data
 from flaxformer_lite.decoding.generate import generate  # noqa: E402
 from flaxformer_lite.models import EncoderDecoder  # noqa: E402
 from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
+
+from helpers.sharded_decode import init as init_params
 
 SENTENCES = ["a man runs in the park", "the red dog sits on a big house"]
 

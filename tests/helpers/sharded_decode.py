@@ -1,6 +1,6 @@
-"""Decodes on 8 simulated devices; run by tests/test_generate.py in a subprocess.
+"""Decodes on 8 simulated devices; run by tests/decoding/test_generate.py in a subprocess.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharded_decode_helper.py OUT
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/helpers/sharded_decode.py OUT
 
 Writes ``OUT/results.npz`` (tokens and scores per mesh and method, one device included) and
 ``OUT/facts.json`` (compile counts, shardings, Translator outputs); the test compares them.

@@ -35,17 +35,9 @@ from flaxformer_lite.inference.translator import Translator
 from flaxformer_lite.models import EncoderDecoder
 from flaxformer_lite.nn.config import TransformerConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-CORPUS = [
-    "a dog runs in the park",
-    "the cat sleeps on a red mat",
-    "two men ride bikes down the road",
-    "a woman reads a book in the sun",
-    "children play with a ball near the water",
-    "the old man walks his dog",
-    "a girl in a blue dress sings",
-    "people wait for the bus in the rain",
-] * 4
+from helpers.hf_models import CORPUS, marian_dir
+
+ROOT = Path(__file__).resolve().parents[2]
 SENTENCES = ["a dog runs", "the cat", "", "two men"]
 MAX_LEN = 12
 BEAM, ALPHA = 3, 0.6
@@ -265,65 +257,6 @@ def test_bad_arguments(model, tmp_path, capsys):
 
 HF_SENTENCES = ["a dog runs", "the cat sleeps", ">>de<< two men", "", "red bikes", "a girl sings"]
 HF_MAX_LEN = 8
-
-
-def marian_dir(
-    root: Path, spm_model: Path, seed: int = 0, eos_bias: float = 3.0, pad_bias: float = 0.0
-) -> tuple[Path, int]:
-    """A tiny random MarianMTModel saved with a Marian tokenizer (source.spm = target.spm =
-    ``spm_model``; vocab.json: </s> 0, <unk> 1, the pieces, <pad> last; the piece "▁d" left
-    out so that it maps to <unk>). ``eos_bias`` / ``pad_bias``: added to EOS's / PAD's final
-    logits bias. Returns the folder and the missing piece's spm id."""
-    torch = pytest.importorskip("torch", reason="the Marian reference runs in PyTorch (test extra)")
-    transformers = pytest.importorskip("transformers", reason="MarianMTModel is the reference")
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
-    pieces = [sp.id_to_piece(i) for i in range(4, sp.get_piece_size())]
-    pieces = [p for p in pieces if p != "\u2581d"]
-    vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
-    vocab["<pad>"] = len(vocab)
-    size = len(vocab)
-    config = transformers.MarianConfig(
-        vocab_size=size,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=32,
-        pad_token_id=size - 1,
-        decoder_start_token_id=size - 1,
-        eos_token_id=0,
-        forced_eos_token_id=0,  # opus-mt's generation defaults: the export must follow them
-        dropout=0.0,
-        attention_dropout=0.0,
-    )
-    torch.manual_seed(seed)
-    model = transformers.MarianMTModel(config).eval()
-    with torch.no_grad():  # peaky, input-dependent logits (HF's init decodes every row alike)
-        for name, p in model.named_parameters():
-            if "embed_positions" in name or p.ndim != 2:
-                continue
-            if "embed" in name or "shared" in name:
-                p.copy_(0.5 * torch.randn(p.shape))
-            else:  # Linear [out, in]; sharper attention on queries and keys
-                gain = 3.0 if ("q_proj" in name or "k_proj" in name) else 1.0
-                p.copy_(gain * torch.randn(p.shape) / p.shape[1] ** 0.5)
-        bias = 0.5 * torch.randn(model.final_logits_bias.shape)
-        bias[0, 0] += eos_bias  # EOS: some rows stop early
-        bias[0, size - 1] += pad_bias
-        model.final_logits_bias.copy_(bias)
-    model.save_pretrained(str(root))
-    generation = json.loads((root / "generation_config.json").read_text())
-    generation["bad_words_ids"] = [[size - 1]]  # as opus-mt folders have it: never <pad>
-    (root / "generation_config.json").write_text(json.dumps(generation))
-    for name in ("source.spm", "target.spm"):
-        (root / name).write_bytes(spm_model.read_bytes())
-    (root / "vocab.json").write_text(json.dumps(vocab))
-    return root, sp.piece_to_id("\u2581d")
 
 
 def test_marian_folder_exports_and_matches_hugging_face(model, tmp_path):

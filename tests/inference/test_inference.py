@@ -7,7 +7,6 @@ the tests check the plumbing (order, empty lines, truncation, errors, files), no
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -21,8 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import train  # noqa: E402
 from flaxformer_lite.cli import (
@@ -32,33 +30,17 @@ from flaxformer_lite.cli import (
 )
 from flaxformer_lite.inference.translator import SymbolVocabulary, Translator  # noqa: E402
 
+from helpers.tiny_configs import translator_config
+
 # Four non-empty lines (one compiled shape for every translate call below: 4 rows, and sources
 # padded to the model's max_len of 7), two empty ones, in an order that sorting would change.
 LINES = ["3141", "", "27", "   ", "5 5 0 1 9", "9"]
 
 
-def tiny_config(steps: int = 40):
-    spec = importlib.util.spec_from_file_location("default", ROOT / "configs" / "default.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
-    c.synthetic.update(min_len=2, max_len=6, num_eval=16)
-    c.model = dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1, num_decoder_layers=1)
-    c.batch_size = 16
-    c.num_train_steps = steps
-    c.learning_rate = 1e-2
-    c.warmup_steps = 10
-    c.log_every = 20
-    c.eval_every = 0
-    c.checkpoint_every = 20  # two checkpoints: steps 20 and 40
-    c.decode_eval = False  # no decoding compile during training: the tests decode
-    return c
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("synthetic_run")
-    train.train_and_evaluate(tiny_config(), str(path))
+    train.train_and_evaluate(translator_config(), str(path))
     return path
 
 

@@ -24,7 +24,6 @@ transformers = pytest.importorskip("transformers", reason="MarianMTModel (test e
 spm = pytest.importorskip("sentencepiece")
 
 import optax  # noqa: E402
-from test_hf_marian import marian_config  # noqa: E402  (tests/ is on sys.path)
 
 import train  # noqa: E402
 from flaxformer_lite.data import tasks
@@ -36,7 +35,11 @@ from flaxformer_lite.interop import (
 )
 from flaxformer_lite.training import optim
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.hf_models import marian_config
+from helpers.layout_reference import flatten, relayout
+from helpers.runs import checkpoint_params
+
+ROOT = Path(__file__).resolve().parents[2]
 EN = "the a dog cat man woman child runs walks sees big small red old house park".split()
 DE = "der die Hund Katze Mann Frau Kind läuft geht sieht groß klein rot alt Haus Park".split()
 
@@ -224,9 +227,7 @@ def test_partial_restore_copies_the_rows_a_grown_vocabulary_shares():
 def test_a_hugging_face_model_restores_bitwise_into_a_scanned_fine_tune(tmp_path, capsys):
     """Marian's unrolled layers (2 + 2) stacked into the ``scan_layers`` model: every parameter
     restored (all frozen for one step, so the checkpoint is the restore), compared with the
-    Hugging Face parameters stacked by NumPy indexing in test_init_from.relayout."""
-    from test_init_from import checkpoint_params, flatten, relayout
-
+    Hugging Face parameters stacked by NumPy indexing in helpers.layout_reference.relayout."""
     data = tmp_path / "data"
     write_data(data, generated_pairs(64, 0), generated_pairs(8, 1))
     texts = [t for pair in generated_pairs(64, 0) for t in pair]
@@ -242,7 +243,7 @@ def test_a_hugging_face_model_restores_bitwise_into_a_scanned_fine_tune(tmp_path
     got = flatten(checkpoint_params(tmp_path / "run"))
     source = flatten(hf.load_pretrained(str(pretrained))[1])
     assert sum("/layers_1/" in n for n in source) >= 20
-    expected = relayout(source, scanned=True)
+    expected = relayout(source, scanned=True, layers=2)
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert got[name].dtype == value.dtype, name

@@ -24,10 +24,10 @@ transformers = pytest.importorskip(
 )
 spm = pytest.importorskip("sentencepiece")
 
-from test_hf_marian import marian_config  # noqa: E402  (tests/ is on sys.path)
-
 from flaxformer_lite.decoding.generate import generate  # noqa: E402
 from flaxformer_lite.interop import hf  # noqa: E402
+
+from helpers.hf_models import marian_config
 
 WORDS = "the a cat dog house tree river green small old runs sees under over and with".split()
 

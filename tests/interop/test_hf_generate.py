@@ -23,10 +23,10 @@ transformers = pytest.importorskip(
     "transformers", reason="MarianMTModel.generate is the reference (pip install -e '.[test]')"
 )
 
-from test_hf_marian import DECODING_QK_GAIN, padded_rows, random_marian  # noqa: E402
-
 from flaxformer_lite.decoding.generate import generate  # noqa: E402
 from flaxformer_lite.interop import hf  # noqa: E402
+
+from helpers.hf_models import CORPUS, DECODING_QK_GAIN, marian_dir, padded_rows, random_marian
 
 ROWS, SRC_LEN, MAX_NEW = 40, 12, 8
 EXTRA_EOS_BIAS = 3.0
@@ -178,7 +178,7 @@ def test_generate_refuses_bad_search_options(marian, kwargs, message):
 # ----------------------------------------------------------------------------- folder defaults
 # Translator.from_pretrained and save_pretrained against MarianMTModel.from_pretrained(folder)
 # .generate() with no arguments: what the folder's generation_config.json asks for, nothing
-# else. One tiny random model with a Marian tokenizer (test_export.marian_dir; PAD's logits
+# else. One tiny random model with a Marian tokenizer (helpers.hf_models.marian_dir; PAD's logits
 # bias raised so that banning it, and renormalising after the ban, change beam choices), copied
 # into folders that differ in generation_config.json alone.
 
@@ -220,8 +220,6 @@ GENERATION_CASES = {
 def folders(tmp_path_factory):
     """({case: Hugging Face folder}, transformers.MarianTokenizer, pad id)."""
     import shutil
-
-    from test_export import CORPUS, marian_dir
 
     from flaxformer_lite.data.tokenizer import Tokenizer
 

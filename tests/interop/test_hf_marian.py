@@ -26,108 +26,12 @@ from flaxformer_lite import EncoderDecoder  # noqa: E402
 from flaxformer_lite.decoding.generate import generate  # noqa: E402
 from flaxformer_lite.interop import hf
 
-VOCAB = 61
-PAD = VOCAB - 1
-
-# name -> MarianConfig overrides: opus-mt's choices (swish, scaled embeddings) and the rest.
-VARIANTS = {
-    "opus_mt": dict(activation_function="swish", scale_embedding=True),
-    "gelu_unscaled": dict(activation_function="gelu", scale_embedding=False),
-    "separate_untied": dict(
-        activation_function="relu",
-        scale_embedding=True,
-        share_encoder_decoder_embeddings=False,
-        decoder_vocab_size=47,
-        tie_word_embeddings=False,
-    ),
-    # transformers 5 unties all three tables (encoder, decoder, lm_head) with
-    # tie_word_embeddings=False even when share_encoder_decoder_embeddings=True, and stores an
-    # unused fourth (model.shared); every one is drawn at random, so they all differ.
-    "shared_untied": dict(
-        activation_function="gelu_new",
-        scale_embedding=True,
-        share_encoder_decoder_embeddings=True,
-        tie_word_embeddings=False,
-    ),
-}
-
-
-def marian_config(**overrides):
-    """A tiny MarianConfig (2+2 layers, d_model 32, 4 heads) with Marian's ids: pad = decoder
-    start = the last id of the decoder's vocabulary, EOS 0; ``overrides`` change any field
-    (the other test modules that need a tiny Marian model build theirs here)."""
-    kw = dict(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=32,
-        eos_token_id=0,
-        forced_eos_token_id=None,
-        dropout=0.0,
-        attention_dropout=0.0,
-    )
-    kw.update(overrides)
-    pad = (kw.get("decoder_vocab_size") or kw["vocab_size"]) - 1  # inside the decoder's ids
-    kw.setdefault("pad_token_id", pad)
-    kw.setdefault("decoder_start_token_id", pad)
-    return transformers.MarianConfig(**kw)
-
-
-# Added to EOS's logit so that, greedily, some rows stop early and others run to the limit.
-EOS_BIAS = {"opus_mt": 3.0, "gelu_unscaled": 5.0, "separate_untied": 3.0, "shared_untied": 3.0}
-EMBED_STD = 0.5
-# Query/key kernels this many times larger sharpen attention, so that what greedy and beam
-# search pick depends on the source (with gain 1 most rows decode to the same few strings).
-# The logits comparison runs at gain 1: logits O(1) as in a trained model, whereas sharp
-# attention amplifies float32 rounding beyond 1e-5 in both implementations.
-DECODING_QK_GAIN = 3.0
-
-
-def random_marian(name: str, seed: int = 0, qk_gain: float = 1.0):
-    """A float32 MarianMTModel in eval mode with every parameter random (not its init).
-
-    HF's initialisation (std 0.02, zero biases, unit norms) gives logits that hardly depend on
-    the input: every row would decode to the same tokens. Here kernels are N(0, 1/fan_in),
-    embeddings and lm_head N(0, EMBED_STD^2) (logits of size ~EMBED_STD sqrt(d_model): peaky,
-    input-dependent), biases
-    and LayerNorm offsets N(0, 0.1^2), LayerNorm scales 1 +- 0.1, the final logits bias
-    N(0, 0.5^2) plus ``EOS_BIAS[name]`` on EOS.
-    """
-    torch.manual_seed(seed)
-    model = transformers.MarianMTModel(marian_config(**VARIANTS[name])).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "embed_positions" in pname:  # Marian's fixed sinusoids: not a free parameter
-                continue
-            if "layer_norm" in pname and pname.endswith("weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif pname.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in pname or "shared" in pname or "lm_head" in pname:
-                p.copy_(EMBED_STD * torch.randn(p.shape, generator=g))
-            elif p.ndim == 2:  # Linear [out, in]; sharper attention: input-dependent outputs
-                gain = qk_gain if ("q_proj" in pname or "k_proj" in pname) else 1.0
-                p.copy_(gain * torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-        bias = 0.5 * torch.randn(model.final_logits_bias.shape, generator=g)
-        bias[0, model.config.eos_token_id] += EOS_BIAS[name]
-        model.final_logits_bias.copy_(bias)
-    return model
-
-
-def padded_rows(rng, rows: int, length: int, vocab: int, pad: int, min_len: int = 2):
-    """int64 `[rows, length]`: real ids in [1, vocab - 1) then EOS 0, then pad."""
-    out = np.full((rows, length), pad, np.int64)
-    for r in range(rows):
-        n = int(rng.integers(min_len, length + 1))
-        out[r, : n - 1] = rng.integers(1, vocab - 1, size=n - 1)
-        out[r, n - 1] = 0
-    return out
+from helpers.hf_models import (  # noqa: E402
+    DECODING_QK_GAIN,
+    VARIANTS,
+    padded_rows,
+    random_marian,
+)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

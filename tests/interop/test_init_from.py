@@ -14,26 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import train  # noqa: E402
-from flaxformer_lite.core.checkpoints import Checkpointer  # noqa: E402
 from flaxformer_lite.interop import init_from  # noqa: E402
 from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
 from flaxformer_lite.training import preflight
 from flaxformer_lite.training.preflight import ConfigError  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests"))
-from test_train import load_config  # noqa: E402
+from helpers.layout_reference import flatten, relayout
+from helpers.runs import checkpoint_params
+from helpers.tiny_configs import load_config
 
 LAYERS = 2  # per stack: stacking order matters only with more than one layer
 TINY_MODEL = dict(
@@ -50,51 +47,6 @@ def tiny_config(seed: int = 0, **model):
         warmup_steps=1, learning_rate=3e-3, seed=seed, decode_eval=False,
     )  # fmt: skip
     return c
-
-
-def checkpoint_params(workdir: Path) -> dict:
-    """The latest checkpoint's parameters as saved (nested dicts of NumPy arrays)."""
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
-    state, _ = ckpt.restore()
-    ckpt.close()
-    return jax.tree_util.tree_map(np.asarray, state["params"])
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = np.asarray(value)
-    return out
-
-
-def relayout(flat: dict[str, np.ndarray], scanned: bool) -> dict[str, np.ndarray]:
-    """``flat`` (either layout) in the unrolled (``layers_i``) or scanned (``layers``, rows
-    stacked on axis 0) layout, by string edits and NumPy indexing only."""
-    unrolled = {}
-    for name, value in flat.items():
-        parts = name.split("/")
-        if "layers" in parts:
-            k = parts.index("layers")
-            assert value.shape[0] == LAYERS, name
-            for i in range(LAYERS):
-                unrolled["/".join([*parts[:k], f"layers_{i}", *parts[k + 1 :]])] = value[i]
-        else:
-            unrolled[name] = value
-    if not scanned:
-        return unrolled
-    out: dict[str, list] = {}
-    for name, value in unrolled.items():
-        parts = name.split("/")
-        k = next((j for j, p in enumerate(parts) if p.startswith("layers_")), None)
-        if k is None:
-            out[name] = value
-            continue
-        key = "/".join([*parts[:k], "layers", *parts[k + 1 :]])
-        out.setdefault(key, [None] * LAYERS)[int(parts[k][len("layers_") :])] = value
-    return {k: np.stack(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +79,7 @@ def test_every_parameter_is_restored_across_layer_layouts(
     assert ", 0 newly initialised, 0 dropped" in line and "WARNING" not in out.err, line
 
     got = flatten(checkpoint_params(tmp_path / "run"))
-    expected = relayout(source_flat, target_scanned)
+    expected = relayout(source_flat, target_scanned, LAYERS)
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert got[name].dtype == value.dtype, name

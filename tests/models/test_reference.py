@@ -1,7 +1,7 @@
-"""Whole models against an independent float64 NumPy forward pass (tests/numpy_reference.py),
-and the numerical contracts no agreement test between two JAX paths can see: rotary angles in
-closed form, the float32 softmax under bfloat16, per-layer dropout under scan, remat in the
-jaxpr, and the bfloat16 model's distance from the float32 one.
+"""Whole models against an independent float64 NumPy forward pass
+(tests/helpers/numpy_reference.py), and the numerical contracts no agreement test between two
+JAX paths can see: rotary angles in closed form, the float32 softmax under bfloat16, per-layer
+dropout under scan, remat in the jaxpr, and the bfloat16 model's distance from the float32 one.
 
 Every model runs in float32 on random parameters unlike their initial values (non-zero
 biases, non-unit norm scales), on padded batches whose rows have different lengths; logits are
@@ -16,11 +16,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_reference as ref  # tests/numpy_reference.py (pytest puts tests/ on sys.path)
 import pytest
-from random_weights import random_params  # tests/random_weights.py
 
 from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig
+
+from helpers import numpy_reference as ref
+from helpers.random_weights import random_params
 
 LOGITS_ATOL = 1e-5  # float32 model vs float64 reference, logits of size O(1)
 

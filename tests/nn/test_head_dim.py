@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from random_weights import random_params  # tests/random_weights.py
 
 from flaxformer_lite import DecoderOnly, EncoderDecoder, TransformerConfig
 from flaxformer_lite.core import sharding
 from flaxformer_lite.interop import hf
+
+from helpers.random_weights import random_params
 
 HD = TransformerConfig(
     vocab_size=40,

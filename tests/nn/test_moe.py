@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-from pathlib import Path
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_sharding import final_loss, run_train, saved_state  # tests/ is on sys.path
 
+import train
 from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig
 from flaxformer_lite.nn import moe
 from flaxformer_lite.nn.layers import MlpBlock
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train  # noqa: E402
+from helpers.runs import final_loss, run_train, saved_state
 
 # ----------------------------------------------------------------------------- routing
 

@@ -33,7 +33,7 @@ from flaxformer_lite.models import (
     unstack_layers,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ATOL = 1e-5
 
 SEQ2SEQ = TransformerConfig(
@@ -291,7 +291,6 @@ def test_translator_unrolls_a_scanned_model_once(scanned_seq2seq):
 def test_training_a_scanned_fused_model_then_translating(tmp_path, monkeypatch):
     """train.py end to end (sharded init with the "layers" axis, dropout, decoding eval,
     checkpoints), then the Translator restores the scanned checkpoint."""
-    sys.path.insert(0, str(ROOT))
     import importlib.util
 
     import train
@@ -319,8 +318,7 @@ def test_training_a_scanned_fused_model_then_translating(tmp_path, monkeypatch):
     c.log_every = 2
     c.eval_every = 4
     c.checkpoint_every = 4
-    sys.path.insert(0, str(ROOT / "tests"))
-    import exact_match_reference
+    from helpers import exact_match_reference
 
     recorded, decode = [], train.greedy_decode_in_order  # the tokens the decoding eval gets
     monkeypatch.setattr(

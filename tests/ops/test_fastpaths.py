@@ -33,7 +33,7 @@ from flaxformer_lite.ops.attention import (
 from flaxformer_lite.ops.blockwise import blockwise_attention
 from flaxformer_lite.ops.masks import AttentionMask
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------- cuDNN dispatch
 

@@ -3,7 +3,6 @@ bound, a quantized model against its float self, a trained model's greedy tokens
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -13,8 +12,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import train  # noqa: E402
 from flaxformer_lite.cli import translate  # noqa: E402
@@ -27,7 +25,8 @@ from flaxformer_lite.ops.quantize import (  # noqa: E402
     quantize_params,
     quantize_weight,
 )
-from tests.test_inference import tiny_config  # noqa: E402
+
+from helpers.tiny_configs import translator_config
 
 
 @pytest.mark.parametrize("shape, in_axes", [((48, 20), 1), ((4, 6, 10), 2), ((16, 3, 2, 5), 1)])
@@ -134,7 +133,7 @@ def test_int8_model_matches_its_float_self(overrides):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("synthetic_run")
-    train.train_and_evaluate(tiny_config(steps=60), str(path))
+    train.train_and_evaluate(translator_config(steps=60), str(path))
     return path
 
 

@@ -3,7 +3,7 @@ formula, padding invariance, cached decoding and greedy generation against the f
 the stack-level table under ``scan_layers``, and blockwise attention with the bias.
 
 The float64 NumPy reference agreement (EncoderDecoder, DecoderOnly, EncoderClassifier) is in
-tests/test_reference.py.
+tests/models/test_reference.py.
 """
 
 from __future__ import annotations

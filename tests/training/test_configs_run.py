@@ -9,21 +9,20 @@ buckets), perplexity and a sampled continuation (language model), accuracy (clas
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import train  # noqa: E402
 from flaxformer_lite.core.checkpoints import Checkpointer, finished_steps  # noqa: E402
 from flaxformer_lite.training.metrics import read_metrics  # noqa: E402
+
+from helpers.tiny_configs import load_config
 
 STEPS = 4
 TINY_MODEL = dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1, num_decoder_layers=1)
@@ -147,13 +146,6 @@ def marian_folder(folder: Path, texts: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- the runs
-
-
-def load_config(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 TRANSLATION = dict(vocab_size=48, max_len=16, tokens_per_batch=128, batch_size_multiple=8)

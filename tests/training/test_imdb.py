@@ -10,7 +10,6 @@ peak on the sentiment word: self-attention spreads it over the sequence first.)
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import jax
@@ -22,8 +21,7 @@ from flaxformer_lite import EncoderClassifier, TransformerConfig
 from flaxformer_lite.cli import attention_maps
 from flaxformer_lite.cli.attention_maps import classifier_pooling
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import train  # noqa: E402
 

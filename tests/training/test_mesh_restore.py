@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (saved from, restored on): mesh shapes (data, fsdp, tensor).
 CASES = {
@@ -45,7 +45,6 @@ def _worker(out: Path) -> None:
     import jax.numpy as jnp
     import optax
 
-    sys.path.insert(0, str(ROOT))
     import train
     from flaxformer_lite import EncoderDecoder, TransformerConfig
     from flaxformer_lite.core import sharding

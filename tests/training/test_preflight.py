@@ -5,7 +5,6 @@ that nothing was compiled and that the workdir is byte for byte as it was."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -16,47 +15,15 @@ from pathlib import Path
 import jax
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import train  # noqa: E402
 from flaxformer_lite.training import preflight  # noqa: E402
 from flaxformer_lite.training.preflight import ConfigError  # noqa: E402
 
+from helpers.tiny_configs import load_config, two_step_config
+
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "common")
-
-
-def load_config(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
-def tiny_config(**overrides):
-    c = load_config("default")
-    c.synthetic.update(min_len=2, max_len=4, num_eval=16)
-    c.model = dict(
-        d_model=16,
-        num_heads=2,
-        d_ff=32,
-        num_encoder_layers=1,
-        num_decoder_layers=1,
-        dropout_rate=0.0,
-    )
-    base = dict(
-        batch_size=16,
-        num_train_steps=2,
-        log_every=1,
-        eval_every=0,
-        checkpoint_every=1,
-        warmup_steps=1,
-        learning_rate=3e-3,
-        decode_eval=False,
-    )
-    for k, v in {**base, **overrides}.items():
-        setattr(c, k, v)
-    return c
 
 
 def snapshot(path: Path) -> dict[str, bytes | None] | None:
@@ -111,10 +78,10 @@ def assert_refused(config, workdir: Path, match: str) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A real 2-step run of tiny_config(): config.json, model_config.json, checkpoints 1, 2
+    """A real 2-step run of two_step_config(): config.json, model_config.json, checkpoints 1, 2
     (``stop_at`` ends it as a preemption would: saved, no evaluation to compile)."""
     workdir = tmp_path_factory.mktemp("trained") / "run"
-    train.train_and_evaluate(tiny_config(), str(workdir), stop_at=2)
+    train.train_and_evaluate(two_step_config(), str(workdir), stop_at=2)
     assert preflight.latest_saved_step(str(workdir)) == 2
     return workdir
 
@@ -190,7 +157,7 @@ def _set(config, key: str, value):
     ],
 )
 def test_bad_value_or_key_is_refused_before_any_work(tmp_path, key, value, match):
-    config = tiny_config()
+    config = two_step_config()
     if key == "mesh_shape":
         value = (jax.device_count() + 1, 1, 1)
     with config.unlocked():
@@ -204,7 +171,7 @@ def test_bad_value_or_key_is_refused_before_any_work(tmp_path, key, value, match
 def test_workdir_that_is_a_file_is_refused(tmp_path):
     path = tmp_path / "results.txt"
     path.write_text("not a folder")
-    assert_refused(tiny_config(), path, r"--workdir .*results\.txt is an existing file")
+    assert_refused(two_step_config(), path, r"--workdir .*results\.txt is an existing file")
 
 
 def test_every_shipped_config_passes_and_every_key_is_known():
@@ -252,7 +219,7 @@ def test_translation_accumulation_must_divide_the_rows():
 
 def test_batch_rows_must_split_over_the_data_devices():
     """Without devices to spare: the device count is an argument of the check."""
-    config = tiny_config(batch_size=6)
+    config = two_step_config(batch_size=6)
     with pytest.raises(ConfigError, match=r"^config\.batch_size \(6\) must be a multiple of 4, "
                        r"the devices a batch is split over \(data x fsdp of config\.mesh_shape "
                        r"\(4, 1, 1\)\)$"):  # fmt: skip
@@ -268,7 +235,7 @@ def test_batch_rows_must_split_over_the_data_devices():
 
 def test_resume_with_a_changed_optimizer_field_names_it_old_to_new(trained):
     message = assert_refused(
-        tiny_config(learning_rate=1e-3, num_train_steps=5),
+        two_step_config(learning_rate=1e-3, num_train_steps=5),
         trained,
         r"config differs from the run in .* \(checkpoint step 2\): learning_rate 0\.003 -> 0\.001;",
     )
@@ -277,11 +244,11 @@ def test_resume_with_a_changed_optimizer_field_names_it_old_to_new(trained):
 
 
 def test_resume_with_a_changed_model_shape_cannot_be_allowed(trained):
-    config = tiny_config()
+    config = two_step_config()
     config.model.d_model = 32
     message = assert_refused(config, trained, r"model\.d_model 16 -> 32; model\.d_model cannot ")
     assert "allow_changes" not in message
-    assert_refused(tiny_config(optimizer="adamw"), trained, r"optimizer 'adam' -> 'adamw'")
+    assert_refused(two_step_config(optimizer="adamw"), trained, r"optimizer 'adam' -> 'adamw'")
 
 
 def test_resume_compares_model_config_json_on_its_own(trained, tmp_path):
@@ -290,18 +257,18 @@ def test_resume_compares_model_config_json_on_its_own(trained, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(trained, copy)
     (copy / "config.json").unlink()
-    config = tiny_config()
+    config = two_step_config()
     config.model.d_ff = 48
     assert_refused(config, copy, r": model\.d_ff 32 -> 48; model\.d_ff cannot change")
     saved = json.loads((copy / "model_config.json").read_text())
     saved["norm_type"] = "rmsnorm"  # as if the default had changed since
     (copy / "model_config.json").write_text(json.dumps(saved))
-    assert_refused(tiny_config(), copy, r"model\.norm_type 'rmsnorm' -> 'layernorm'")
+    assert_refused(two_step_config(), copy, r"model\.norm_type 'rmsnorm' -> 'layernorm'")
 
 
 def test_num_train_steps_below_the_saved_step_is_refused(trained):
     assert_refused(
-        tiny_config(num_train_steps=1),
+        two_step_config(num_train_steps=1),
         trained,
         r"^config\.num_train_steps \(1\) is below the latest checkpoint step 2 in .*checkpoints;",
     )
@@ -309,12 +276,12 @@ def test_num_train_steps_below_the_saved_step_is_refused(trained):
 
 def test_safe_and_allowed_changes_pass(trained):
     before = snapshot(trained)
-    same = tiny_config()
+    same = two_step_config()
     preflight.check_run(same, str(trained), device_count=1)
-    safe = tiny_config(num_train_steps=9, eval_every=3, log_every=2, checkpoint_every=4,
+    safe = two_step_config(num_train_steps=9, eval_every=3, log_every=2, checkpoint_every=4,
                        keep_checkpoints=1, decode_eval=True, grad_accum_steps=2)  # fmt: skip
     preflight.check_run(safe, str(trained), device_count=1)
-    changed = tiny_config(learning_rate=1e-3, label_smoothing=0.2)
+    changed = two_step_config(learning_rate=1e-3, label_smoothing=0.2)
     changed.model.dropout_rate = 0.1
     with pytest.raises(ConfigError, match="allow_changes=label_smoothing,learning_rate,model.dro"):
         preflight.check_run(changed, str(trained), device_count=1)

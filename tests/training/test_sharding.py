@@ -8,9 +8,7 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,76 +18,10 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from flaxformer_lite.core import sharding
-from flaxformer_lite.core.checkpoints import Checkpointer
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.runs import final_loss, free_port, run_train, saved_state
 
-TINY = [
-    "--config.batch_size=16",
-    "--config.num_train_steps=6",
-    "--config.log_every=3",
-    "--config.eval_every=0",
-    "--config.checkpoint_every=100",
-    "--config.warmup_steps=2",
-    "--config.learning_rate=0.003",
-    # Constant after warmup, so step 6 of the 24-step 2-process run is the 6-step run's end.
-    "--config.schedule=constant",
-    "--config.synthetic.max_len=6",
-    "--config.synthetic.min_len=2",
-    "--config.synthetic.num_eval=32",
-    "--config.model.d_model=32",
-    "--config.model.num_heads=4",
-    "--config.model.d_ff=64",
-    "--config.model.num_encoder_layers=1",
-    "--config.model.num_decoder_layers=1",
-    "--config.model.dropout_rate=0.1",
-    # The key bias has a zero gradient in exact arithmetic (softmax ignores a constant per
-    # query); Adam would turn its rounding noise into full-size steps that differ by layout.
-    "--config.model.use_bias=False",
-    # These tests compare checkpoints and losses; the final evaluation decodes nothing (decoding
-    # on meshes and on 2 processes: test_generate, test_multihost_data).
-    "--config.decode_eval=False",
-]
-
-
-def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait=True):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    if devices > 1:
-        env["XLA_FLAGS"] = (
-            f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-        )
-    env.update(env_extra or {})
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "--config",
-        str(ROOT / "configs/default.py"),
-        "--workdir",
-        str(workdir),
-        *TINY,
-        *extra,
-    ]
-    if not wait:
-        return subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
-def saved_state(workdir: Path, step: int | None = None):
-    ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
-    state, data = ckpt.restore(step=step)
-    ckpt.close()
-    return state, data
-
-
-def final_loss(workdir: Path) -> float:
-    import json
-
-    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if "train/smoothed_kl" in m][-1]["train/smoothed_kl"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def assert_same_params(a, b, atol=1e-5):
@@ -117,12 +49,6 @@ def test_eight_simulated_devices_match_one_device(reference, tmp_path, mesh):
     assert int(b["step"]) == 6
     assert final_loss(tmp_path) == pytest.approx(final_loss(reference), abs=1e-5)
     assert_same_params(a, b)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The 2-process runs: 24 steps with a checkpoint every 6, all kept.

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jax
@@ -18,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import train  # noqa: E402
 from flaxformer_lite.core.checkpoints import Checkpointer, finished_steps  # noqa: E402
@@ -29,26 +25,9 @@ from flaxformer_lite.training import (
 )
 from flaxformer_lite.training.metrics import read_metrics  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests"))
-import exact_match_reference  # noqa: E402
-
-
-def load_config(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
-TINY_OVERRIDES = dict(
-    batch_size=16,
-    num_train_steps=40,
-    log_every=10,
-    eval_every=20,
-    checkpoint_every=10,
-    warmup_steps=10,
-    learning_rate=3e-3,
-)
+from helpers import exact_match_reference
+from helpers.runs import saved_state, train_cmd, wait_for_checkpoint
+from helpers.tiny_configs import TINY_OVERRIDES, load_config
 
 
 def tiny_config(**overrides):
@@ -65,13 +44,6 @@ def tiny_config(**overrides):
     for k, v in {**TINY_OVERRIDES, **overrides}.items():
         setattr(c, k, v)
     return c
-
-
-def final_params(workdir: Path | str):
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
-    state, data = ckpt.restore()
-    ckpt.close()
-    return state, data
 
 
 def record_decoding(monkeypatch) -> list:
@@ -135,11 +107,11 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train.train_and_evaluate(config, str(straight), stop_at=8)
     train.train_and_evaluate(config, str(resumed), stop_at=4)
-    state_half, data_half = final_params(resumed)
+    state_half, data_half = saved_state(resumed)
     assert int(state_half["step"]) == 4 and data_half["train"] == {"index": 4}
     train.train_and_evaluate(config, str(resumed), stop_at=8)
-    a, _ = final_params(straight)
-    b, data = final_params(resumed)
+    a, _ = saved_state(straight)
+    b, data = saved_state(resumed)
     assert int(a["step"]) == int(b["step"]) == 8 and data["train"] == {"index": 8}
     leaves_a = jax.tree_util.tree_leaves(a)
     leaves_b = jax.tree_util.tree_leaves(b)
@@ -151,53 +123,7 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     assert np.abs(kernel(b) - kernel(state_half)).max() > 1e-5
 
 
-def _train_cmd(workdir: Path | str, steps: int, **config) -> list[str]:
-    """``python train.py`` on the default config with tiny overrides (and ``config``'s)."""
-    overrides = {
-        **TINY_OVERRIDES,
-        "num_train_steps": steps,
-        "checkpoint_every": 5,
-        "eval_every": 0,
-        "log_every": 5,
-        **config,
-    }
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        "--config",
-        str(ROOT / "configs/default.py"),
-        "--workdir",
-        str(workdir),
-    ]
-    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
-    cmd += [
-        "--config.synthetic.max_len=6",
-        "--config.synthetic.min_len=2",
-        "--config.synthetic.num_eval=32",
-        "--config.model.d_model=32",
-        "--config.model.num_heads=2",
-        "--config.model.d_ff=64",
-        "--config.model.num_encoder_layers=1",
-        "--config.model.num_decoder_layers=1",
-    ]
-    return cmd
-
-
-def _wait_for_checkpoint(workdir: Path | str, proc: subprocess.Popen, timeout: float = 240) -> int:
-    """The latest complete checkpoint step once one exists in ``workdir`` (local or gs://)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        steps = finished_steps(os.path.join(workdir, "checkpoints"))
-        if steps:
-            return max(steps)
-        if proc.poll() is not None:
-            raise AssertionError(f"training exited early:\n{proc.stdout.read()}")
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("no checkpoint appeared in time")
-
-
-# SIGKILL (no chance to save) is tested in tests/test_gcs.py, against a bucket, where the
+# SIGKILL (no chance to save) is tested in tests/core/test_gcs.py, against a bucket, where the
 # resumed run must also end bitwise equal to an uninterrupted one.
 def test_sigterm_saves_the_step_it_prints_and_the_rerun_resumes_there(tmp_path):
     workdir = tmp_path / "run"
@@ -207,13 +133,13 @@ def test_sigterm_saves_the_step_it_prints_and_the_rerun_resumes_there(tmp_path):
     # compilation cache instead of compiling its own.
     schedule = {"schedule": "constant"}
     proc = subprocess.Popen(
-        _train_cmd(workdir, 100000, **schedule),
+        train_cmd(workdir, 100000, **schedule),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
     )
-    _wait_for_checkpoint(workdir, proc)
+    wait_for_checkpoint(workdir, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     # A preempted run saves the step it names and exits 0: its checkpoint is written.
@@ -223,11 +149,11 @@ def test_sigterm_saves_the_step_it_prints_and_the_rerun_resumes_there(tmp_path):
     assert len(printed) == 1, out[-3000:]
     (n,) = printed
     assert finished_steps(workdir / "checkpoints")[-1] == n  # the latest complete one is N
-    state, data = final_params(workdir)
+    state, data = saved_state(workdir)
     assert int(state["step"]) == n and data["train"] == {"index": n}  # and it holds step N
     target = n + 7
     done = subprocess.run(
-        _train_cmd(workdir, target, **schedule),
+        train_cmd(workdir, target, **schedule),
         capture_output=True,
         text=True,
         env=env,
@@ -235,7 +161,7 @@ def test_sigterm_saves_the_step_it_prints_and_the_rerun_resumes_there(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"resumed from step {n} " in done.stdout
-    state, data = final_params(workdir)
+    state, data = saved_state(workdir)
     assert int(state["step"]) == target and data["train"] == {"index": target}
     # Train lines every 5 steps and at each run's last step (N: the partial window the
     # preempted run had); the rerun's continue after N.
@@ -428,7 +354,7 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_last_good_checkpoint(tmp_p
     config.skip_nonfinite_steps = True
     config.num_train_steps = 4
     train.train_and_evaluate(config, str(tmp_path / "skip"))
-    state, _ = final_params(tmp_path / "skip")
+    state, _ = saved_state(tmp_path / "skip")
     assert int(state["step"]) == 4
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(state["params"]))
 

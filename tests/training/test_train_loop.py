@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import sys
 import time
 from pathlib import Path
 
@@ -14,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 import train  # noqa: E402
 from flaxformer_lite import DecoderOnly, TransformerConfig  # noqa: E402
