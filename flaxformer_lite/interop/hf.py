@@ -149,7 +149,7 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int = 1) -> TransformerConf
     )
 
 
-# What save_pretrained does with each TransformerConfig field (tests/test_hf_marian.py walks
+# What save_pretrained does with each TransformerConfig field (tests/interop/test_hf_marian.py walks
 # every field of the dataclass against its own copy of this classification):
 # - written to config.json: vocab_size, target_vocab_size, d_model, num_heads, d_ff,
 #   num_encoder_layers, num_decoder_layers, dropout_rate, attention_dropout_rate, max_len,
