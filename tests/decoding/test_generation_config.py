@@ -8,7 +8,8 @@ transformers itself reads back; ``from_run`` with hand-written config.json dicts
 random EncoderDecoder (NumPy draws, two compiled programs) checks that ``generate`` with a
 config, with keyword overrides and with the fields its method ignores changed decodes the
 same through ONE compiled call, and that ``max_len="source"`` stops each row at the limit its
-own source length gives.
+own source length gives. The CLIs' flags and the serving export's output width are checked
+as pure functions (nothing loads or compiles).
 """
 
 from __future__ import annotations
@@ -425,3 +426,41 @@ def test_source_max_len_stops_each_row_at_its_own_limit(endless):
         assert ((row[:n] >= 2) & (row[:n] < PAD)).all() and (row[n:] == PAD).all(), row
     with pytest.raises(ValueError, match="^max_len='source' derives each row's limit"):
         gen.continue_prompt(params, MARIAN, inputs, max_len="source")
+
+
+# ----------------------------------------------------------------------------- CLI flags, export
+
+
+def test_cli_flags_replace_only_what_they_set():
+    from flaxformer_lite.cli import translate
+
+    run = GenerationConfig.from_run({"beam_size": 6, "alpha": 1.0, "ban_pad": True}, MARIAN)
+    unset = translate.parse_args(["--workdir", "run"])
+    assert translate.generation_from_flags(unset, run) == run  # flag defaults change nothing
+    argv = ["--workdir", "run", "--method", "sample", "--max_len", "7", "--top_k", "3"]
+    got = translate.generation_from_flags(translate.parse_args(argv), run)
+    assert got == run.replace(method="sample", max_len=7, top_k=3)
+    argv = ["--workdir", "run", "--beam_size", "2", "--alpha", "0.0", "--temperature", "0.5"]
+    got = translate.generation_from_flags(translate.parse_args(argv), run)
+    assert got == run.replace(beam_size=2, alpha=0.0, temperature=0.5)
+
+
+def test_the_export_fixes_the_output_width():
+    from flaxformer_lite.inference.export import exported_generation
+
+    per_row = GenerationConfig(method="beam", max_len="source", temperature=0.5)
+    # "source": the program's width is the model's positions; the runtime cuts each row.
+    assert exported_generation(per_row, MARIAN) == (
+        GenerationConfig(method="beam", max_len=32),
+        True,
+    )
+    greedy = GenerationConfig(method="greedy", max_len=9, beam_size=3, forced_eos=True)
+    assert exported_generation(greedy, MARIAN) == (
+        GenerationConfig(method="greedy", max_len=9, beam_size=1, alpha=0.0, forced_eos=True),
+        False,
+    )
+    assert exported_generation(GenerationConfig(), MARIAN)[0].max_len == 32
+    with pytest.raises(ValueError, match=r"^method must be one of \('beam', 'greedy'\)"):
+        exported_generation(GenerationConfig(method="sample"), MARIAN)
+    with pytest.raises(ValueError, match="^max_len=40 "):
+        exported_generation(GenerationConfig(max_len=40), MARIAN)
