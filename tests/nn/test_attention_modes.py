@@ -2,7 +2,7 @@
 reference: the cache's pure functions (ops/kv_cache.py: the full cache, the ring buffer of a
 sliding window), fused against separate projections on the same weights, cached decoding with
 rotary positions (full cache and ring buffer) against the float64 forward pass of
-tests/numpy_reference.py, and beam search's two modes (a source's beams sharing its encoder
+tests/helpers/numpy_reference.py, and beam search's two modes (a source's beams sharing its encoder
 keys; self-attention over a cache that is never reordered). A single layer with 8 features,
 4 heads of 4: nothing here builds a model.
 """
@@ -16,11 +16,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy_reference as ref  # tests/numpy_reference.py (pytest puts tests/ on sys.path)
 import pytest
 
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.ops import kv_cache
+
+from helpers import numpy_reference as ref
 
 FEATURES, HEADS, HEAD_DIM = 8, 4, 4
 # What numpy_reference.multi_head_attention reads of a config.
