@@ -1,4 +1,4 @@
-"""The pieces of one beam-search step (flaxformer_lite.decoding.search), t5x style: fixed
+"""The pieces of one beam-search step (flaxformer_lite.decoding.beam), t5x style: fixed
 log-prob arrays in, exact token ids, parents and scores out, no model.
 
 Expected values are written by hand (the comments show the sums) or come from a few lines of
@@ -16,7 +16,7 @@ import itertools
 import numpy as np
 import pytest
 
-from flaxformer_lite.decoding.search import (
+from flaxformer_lite.decoding.beam import (
     EOS_ID,
     PAD_ID,
     candidate_sequences,
