@@ -201,14 +201,18 @@ def test_the_live_run_renews_its_lease(tmp_path):
 
 
 def refused_run(workdir: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """A second train.py on ``workdir``, finished: it must refuse before any work."""
-    return subprocess.run(
-        train_cmd(workdir, 100000, schedule="constant"),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    """A second train.py on ``workdir``, finished: it must refuse before any work (its start
+    takes seconds; one that trains instead is stopped after 120 s, and the test fails)."""
+    try:
+        return subprocess.run(
+            train_cmd(workdir, 100000, schedule="constant"),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the second run did not refuse:\n{e.stdout}") from None
 
 
 def assert_refused_naming(done: subprocess.CompletedProcess, workdir: str, pid: int) -> None:
