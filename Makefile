@@ -20,11 +20,15 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests -q -n 2 --durations=10
 
+# ruff, then import-linter's contracts in pyproject.toml: subpackages import only downward, and
+# no modules import each other in a circle.
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: $(VENV)/.installed
 	$(PY) -m ruff format .

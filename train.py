@@ -32,24 +32,18 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flaxformer_lite import (
-    data,
-    flops,
-    init_from,
-    lm_task,
-    losses,
-    moe,
-    optim,
-    paths,
-    preflight,
-    sharding,
-    tasks,
-)
-from flaxformer_lite.checkpoints import Checkpointer
-from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.generate import continue_prompt, generate
-from flaxformer_lite.metrics import MetricWriter
+from flaxformer_lite.core import paths, sharding
+from flaxformer_lite.core.checkpoints import Checkpointer
+from flaxformer_lite.data import reading as data
+from flaxformer_lite.data import tasks
+from flaxformer_lite.data.tasks import lm as lm_task
+from flaxformer_lite.decoding.generate import continue_prompt, generate
+from flaxformer_lite.interop import init_from
 from flaxformer_lite.models import DecoderOnly, EncoderClassifier, EncoderDecoder
+from flaxformer_lite.nn import moe
+from flaxformer_lite.nn.config import TransformerConfig
+from flaxformer_lite.training import flops, losses, optim, preflight
+from flaxformer_lite.training.metrics import MetricWriter
 
 
 class TrainState(struct.PyTreeNode):

@@ -59,11 +59,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.decoding import BOS_ID, EOS_ID, PAD_ID
-from flaxformer_lite.generate import generate_jit
+from flaxformer_lite.core.sharding import make_mesh
+from flaxformer_lite.decoding.generate import generate_jit
+from flaxformer_lite.decoding.search import BOS_ID, EOS_ID, PAD_ID
 from flaxformer_lite.models import EncoderDecoder
-from flaxformer_lite.sharding import make_mesh
+from flaxformer_lite.nn.config import TransformerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -41,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 from translate_speed import cpu_flags  # bench/, the script's folder
 
-from flaxformer_lite import beam_cache
-from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.generate import _decoder_call, init_cache
+from flaxformer_lite.decoding.generate import _decoder_call, init_cache
 from flaxformer_lite.models import BEAM_ANCESTORS, EncoderDecoder
+from flaxformer_lite.nn.config import TransformerConfig
+from flaxformer_lite.ops import beam_cache
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SRC_LEN = 24

@@ -102,10 +102,10 @@ def worker(args: argparse.Namespace) -> None:
     import jax
 
     if args.num_processes > 1 and args.distributed:
-        from flaxformer_lite import sharding
+        from flaxformer_lite.core import sharding
 
         sharding.initialize_distributed(args.address, args.num_processes, args.process_id)
-    from flaxformer_lite import translation_task
+    from flaxformer_lite.data.tasks import translation as translation_task
 
     config = types.SimpleNamespace(**CONFIG, data_dir=args.data_dir)
     build_start = time.time()
@@ -156,7 +156,7 @@ def packing_bench(workdir: Path) -> dict:
     import numpy as np
 
     sys.path.insert(0, str(ROOT))
-    from flaxformer_lite.packing import first_fit_rows
+    from flaxformer_lite.data.packing import first_fit_rows
 
     (cache,) = (workdir / "data_cache").iterdir()
     in_len = np.diff(np.load(cache / "inputs_offsets.npy"))
@@ -257,8 +257,8 @@ def main() -> None:
         write_corpus(data_dir, pairs)
         print(f"wrote {pairs:,} pairs to {data_dir} in {time.time() - t:.0f} s", flush=True)
     sys.path.insert(0, str(ROOT))
-    from flaxformer_lite.data import iter_pairs
-    from flaxformer_lite.tokenizer import Tokenizer
+    from flaxformer_lite.data.reading import iter_pairs
+    from flaxformer_lite.data.tokenizer import Tokenizer
 
     vocab = base / f"spm_{pairs}.model"
     spm_seconds = None

@@ -16,7 +16,7 @@ every other round), so that machine load hits all alike; tok/s is the median ove
   attention call (per layer) and passed as ``dot_product_attention(..., mask=None,
   bias=bias)``. The models build their masks inside and take no bias, so this swaps, in this
   process and while the step is traced, the ``dot_product_attention`` name that
-  flaxformer_lite.layers calls for a wrapper around the public function; nothing in the
+  flaxformer_lite.nn.layers calls for a wrapper around the public function; nothing in the
   library is edited. Checked: the first step's loss equals the default's.
 * (f) padding: a Multi30k-like corpus (29,000 pairs of random tokens, lengths from a fixed
   seed: normal, mean 16, std 6, target correlated 0.8 with source, clipped to 4..56) batched
@@ -60,17 +60,17 @@ sys.path.insert(0, str(HERE))
 
 import train_step  # noqa: E402  (bench/train_step.py: model, step and batch helpers)
 
-from flaxformer_lite import layers as layers_lib  # noqa: E402
-from flaxformer_lite.batching import (  # noqa: E402
+from flaxformer_lite.core.special_ids import EOS_ID, PAD_ID  # noqa: E402
+from flaxformer_lite.data.batching import (  # noqa: E402
     batch_by_tokens,
     bucket_boundaries,
     padding_fraction,
     rows_for_length,
 )
-from flaxformer_lite.config import TransformerConfig  # noqa: E402
+from flaxformer_lite.data.packing import pack_examples  # noqa: E402
 from flaxformer_lite.models import EncoderDecoder  # noqa: E402
-from flaxformer_lite.packing import pack_examples  # noqa: E402
-from flaxformer_lite.special_ids import EOS_ID, PAD_ID  # noqa: E402
+from flaxformer_lite.nn import layers as layers_lib  # noqa: E402
+from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
 
 RESULTS = HERE / "results"
 SMALL = train_step.CONFIGS["small"]
@@ -93,7 +93,7 @@ def additive_bias_masks():
     """While active, the attention layers pass their boolean mask to the public
     ``dot_product_attention`` as an additive float32 bias of the same shape (built in every
     call, i.e. per layer) and ``mask=None``. Nothing in the library is edited: this swaps, in
-    this process, the name flaxformer_lite.layers calls, for the duration of tracing. Yields
+    this process, the name flaxformer_lite.nn.layers calls, for the duration of tracing. Yields
     the list of bias shapes built, so that a caller can tell that the swap took effect."""
     original = layers_lib.dot_product_attention
     shapes = []
@@ -130,7 +130,7 @@ def build(spec: dict, *, donate=True, bias=False, params=None, **overrides) -> d
         return {"error": f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
     if bias and not shapes:
         return {
-            "error": "skipped: the layers no longer call flaxformer_lite.layers."
+            "error": "skipped: the layers no longer call flaxformer_lite.nn.layers."
             "dot_product_attention, so masks could not be turned into a bias"
         }
     out = {"run": run, "compile_s": compile_s}

@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 
-from flaxformer_lite.inference import Translator
+from flaxformer_lite.inference.translator import Translator
 
 
 def main() -> None:

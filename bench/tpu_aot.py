@@ -43,7 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import batching, flops, sharding  # noqa: E402
+from flaxformer_lite.core import sharding
+from flaxformer_lite.data import batching  # noqa: E402
+from flaxformer_lite.training import flops
 
 RESULTS = ROOT / "bench" / "results"
 VOCAB_SIZE = 37_000  # what the wmt14_base SentencePiece BPE vocabulary gives (shared)

@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import train_step as ts  # noqa: E402
 
-from flaxformer_lite import layers, losses  # noqa: E402
+from flaxformer_lite.nn import layers  # noqa: E402
+from flaxformer_lite.training import losses
 
 
 def old_smoothed_cross_entropy(logits, labels, weights, label_smoothing=0.1):

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from flaxformer_lite import EncoderDecoder, TransformerConfig  # noqa: E402
-from flaxformer_lite.flops import matmul_peak_flops, train_flops  # noqa: E402
+from flaxformer_lite.training.flops import matmul_peak_flops, train_flops  # noqa: E402
 
 CONFIGS = {
     "small": dict(d_model=256, num_heads=4, d_ff=1024, layers=3, vocab=8192, length=32, batch=64),

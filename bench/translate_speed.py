@@ -53,9 +53,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flaxformer_lite import hf
-from flaxformer_lite.generate import default_mesh, generate_jit
-from flaxformer_lite.quantize import quantize_params
+from flaxformer_lite.decoding.generate import default_mesh, generate_jit
+from flaxformer_lite.interop import hf
+from flaxformer_lite.ops.quantize import quantize_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -29,7 +29,7 @@ WORKER = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import jax
-from flaxformer_lite.flops import matmul_peak_flops
+from flaxformer_lite.training.flops import matmul_peak_flops
 sys.path.insert(0, sys.argv[1] + "/bench")
 from train_step import CONFIGS, ours_step
 spec = CONFIGS["small"]

@@ -5,7 +5,7 @@
         --config.data_dir=../shared/data/multi30k
 
 ``init_from`` is a Hugging Face Marian folder or hub id (or another train.py workdir): the
-model takes its architecture and weights (flaxformer_lite/init_from.py), the data its
+model takes its architecture and weights (flaxformer_lite/interop/init_from.py), the data its
 tokenizer (copied into the workdir: source.spm, target.spm, vocab.json), so nothing is
 trained from scratch. ``config.model`` may change only the training fields
 (``init_from.TRAINING_FIELDS``: dropout, precision, remat, scan_layers ...); an architecture
@@ -13,7 +13,7 @@ field set to another value than the pretrained one is refused by name before any
 ``freeze`` names parameters to keep as they are, by regular expressions over their paths,
 e.g. ``--config.freeze='("encoder/.*", "source_embedding/.*")'`` to train the decoder only.
 Decoding follows Hugging Face's rules for these models (beam 4, length penalty 1.0, EOS
-forced at the limit, pad never generated), and ``python -m flaxformer_lite.hf --workdir
+forced at the limit, pad never generated), and ``python -m flaxformer_lite.interop.hf --workdir
 runs/ft --out DIR`` writes the result back for Transformers and CTranslate2.
 """
 

@@ -6,7 +6,7 @@ override: --config.data_dir=DIR. Reviews are cut at 512 tokens; self-attention i
 64 tokens on either side (blockwise, linear in length); attention pooling weighs the tokens by
 a learned query, and the weights of one review are drawn with
 
-    python -m flaxformer_lite.attention_maps --workdir W --text "review ..." --out maps/
+    python -m flaxformer_lite.cli.attention_maps --workdir W --text "review ..." --out maps/
 """
 
 import os

@@ -4,11 +4,18 @@ Importing the package loads jax, flax and numpy only. Training, data, decoding C
 live in submodules that import their own heavier dependencies.
 """
 
-from flaxformer_lite import attention, masks, positions
-from flaxformer_lite.attention import dot_product_attention
-from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.layers import DecoderLayer, Embed, EncoderLayer, MlpBlock, MultiHeadAttention
+from flaxformer_lite import _moved
 from flaxformer_lite.models import Decoder, DecoderOnly, Encoder, EncoderClassifier, EncoderDecoder
+from flaxformer_lite.nn.config import TransformerConfig
+from flaxformer_lite.nn.layers import (
+    DecoderLayer,
+    Embed,
+    EncoderLayer,
+    MlpBlock,
+    MultiHeadAttention,
+)
+from flaxformer_lite.ops import attention, masks, positions
+from flaxformer_lite.ops.attention import dot_product_attention
 
 __all__ = [
     "Decoder",
@@ -28,3 +35,5 @@ __all__ = [
     "positions",
 ]
 __version__ = "0.1.0"
+
+_moved.install()  # the flat module paths of 0.1 (flaxformer_lite.hf, ...) still import

@@ -18,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite import EncoderDecoder, TransformerConfig, sharding, tasks
-from flaxformer_lite.checkpoints import Checkpointer
-from flaxformer_lite.synthetic import FIRST_SYMBOL, SymbolVocabulary
+from flaxformer_lite import EncoderDecoder, TransformerConfig
+from flaxformer_lite.core import sharding
+from flaxformer_lite.core.checkpoints import Checkpointer
+from flaxformer_lite.data import tasks
+from flaxformer_lite.data.tasks.synthetic import FIRST_SYMBOL, SymbolVocabulary
 
 
 @functools.cache

@@ -21,10 +21,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from sharded_decode_helper import init as init_params  # noqa: E402  (tests/, the script's folder)
 
-from flaxformer_lite import sharding, tasks, workdir_data  # noqa: E402
-from flaxformer_lite.config import TransformerConfig  # noqa: E402
-from flaxformer_lite.generate import generate  # noqa: E402
+from flaxformer_lite.core import sharding  # noqa: E402
+from flaxformer_lite.data import tasks
+from flaxformer_lite.data import workdir as workdir_data
+from flaxformer_lite.decoding.generate import generate  # noqa: E402
 from flaxformer_lite.models import EncoderDecoder  # noqa: E402
+from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
 
 SENTENCES = ["a man runs in the park", "the red dog sits on a big house"]
 

@@ -19,11 +19,11 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from flaxformer_lite import generate as gen
-from flaxformer_lite import sharding
-from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.inference import SymbolVocabulary, Translator
+from flaxformer_lite.core import sharding
+from flaxformer_lite.decoding import generate as gen
+from flaxformer_lite.inference.translator import SymbolVocabulary, Translator
 from flaxformer_lite.models import DecoderOnly, EncoderDecoder
+from flaxformer_lite.nn.config import TransformerConfig
 
 CONFIG = TransformerConfig(
     vocab_size=24,

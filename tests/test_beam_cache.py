@@ -18,10 +18,11 @@ import pytest
 from flax import traverse_util
 from random_weights import random_params  # tests/random_weights.py
 
-from flaxformer_lite import attention, beam_cache, decoding
-from flaxformer_lite import generate as gen
-from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.decoding import generate as gen
+from flaxformer_lite.decoding import search as decoding
 from flaxformer_lite.models import BEAM_ANCESTORS, DecoderOnly, EncoderDecoder, reorder_beam_cache
+from flaxformer_lite.nn.config import TransformerConfig
+from flaxformer_lite.ops import attention, beam_cache
 
 BASE = dict(
     vocab_size=24,

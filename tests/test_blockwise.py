@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.attention import dot_product_attention
-from flaxformer_lite.blockwise import blockwise_attention
-from flaxformer_lite.masks import causal_mask
+from flaxformer_lite.ops.attention import dot_product_attention
+from flaxformer_lite.ops.blockwise import blockwise_attention
+from flaxformer_lite.ops.masks import causal_mask
 
 
 def rel_err(a, b):

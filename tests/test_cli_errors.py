@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flaxformer_lite import attention_maps, evaluate, generate, inference, translate
-from flaxformer_lite.config import TransformerConfig
+from flaxformer_lite.cli import attention_maps, evaluate, translate
+from flaxformer_lite.decoding import generate
+from flaxformer_lite.inference import translator as inference
+from flaxformer_lite.nn.config import TransformerConfig
 
 CONFIG = TransformerConfig(
     vocab_size=16,
@@ -198,7 +200,7 @@ def test_continue_prompt_beyond_the_cache(no_work):
 def test_translator_max_len_beyond_the_model_positions(no_work):
     import jax
 
-    from flaxformer_lite.synthetic import SymbolVocabulary
+    from flaxformer_lite.data.tasks.synthetic import SymbolVocabulary
 
     rng = np.random.default_rng(0)
     params = jax.tree_util.tree_map(

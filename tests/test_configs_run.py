@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite.checkpoints import Checkpointer, finished_steps  # noqa: E402
-from flaxformer_lite.metrics import read_metrics  # noqa: E402
+from flaxformer_lite.core.checkpoints import Checkpointer, finished_steps  # noqa: E402
+from flaxformer_lite.training.metrics import read_metrics  # noqa: E402
 
 STEPS = 4
 TINY_MODEL = dict(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1, num_decoder_layers=1)
@@ -98,8 +98,9 @@ def marian_folder(folder: Path, texts: list[str]) -> None:
     import jax
     import sentencepiece as spm
 
-    from flaxformer_lite import EncoderDecoder, TransformerConfig, hf
-    from flaxformer_lite.marian_tokenizer import MarianTokenizer
+    from flaxformer_lite import EncoderDecoder, TransformerConfig
+    from flaxformer_lite.data.marian_tokenizer import MarianTokenizer
+    from flaxformer_lite.interop import hf
 
     folder.mkdir()
     for side in ("source", "target"):

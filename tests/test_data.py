@@ -16,8 +16,8 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from flaxformer_lite.batch_stream import BatchStream  # noqa: E402
-from flaxformer_lite.batching import (  # noqa: E402
+from flaxformer_lite.core.special_ids import EOS_ID, PAD_ID  # noqa: E402
+from flaxformer_lite.data.batching import (  # noqa: E402
     batch_by_tokens,
     bucket_boundaries,
     classification_batches,
@@ -25,7 +25,9 @@ from flaxformer_lite.batching import (  # noqa: E402
     padding_fraction,
     rows_for_length,
 )
-from flaxformer_lite.data import (  # noqa: E402
+from flaxformer_lite.data.encoding import EncodedPairs, encode_labeled, encode_pairs  # noqa: E402
+from flaxformer_lite.data.packing import first_fit_rows, pack_examples  # noqa: E402
+from flaxformer_lite.data.reading import (  # noqa: E402
     DataStats,
     load_labeled,
     load_pairs,
@@ -33,10 +35,8 @@ from flaxformer_lite.data import (  # noqa: E402
     normalize,
     read_parallel_files,
 )
-from flaxformer_lite.encoding import EncodedPairs, encode_labeled, encode_pairs  # noqa: E402
-from flaxformer_lite.packing import first_fit_rows, pack_examples  # noqa: E402
-from flaxformer_lite.special_ids import EOS_ID, PAD_ID  # noqa: E402
-from flaxformer_lite.translation_task import build_translation_data  # noqa: E402
+from flaxformer_lite.data.stream import BatchStream  # noqa: E402
+from flaxformer_lite.data.tasks.translation import build_translation_data  # noqa: E402
 
 
 class DigitTokenizer:
@@ -809,8 +809,8 @@ def test_streaming_jsonl_gives_the_same_data_as_the_text_files(tmp_path):
 
 
 def test_build_task_lm_windows_and_classification_rows(tmp_path):
-    from flaxformer_lite import tasks
-    from flaxformer_lite.tokenizer import Tokenizer
+    from flaxformer_lite.data import tasks
+    from flaxformer_lite.data.tokenizer import Tokenizer
 
     rng = random.Random(0)
     text = [" ".join(rng.choice(EN) for _ in range(rng.randint(2, 6))) for _ in range(50)]

@@ -16,8 +16,9 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from flaxformer_lite import lm_task, tasks  # noqa: E402
-from flaxformer_lite.data import DataError  # noqa: E402
+from flaxformer_lite.data import tasks
+from flaxformer_lite.data.reading import DataError  # noqa: E402
+from flaxformer_lite.data.tasks import lm as lm_task  # noqa: E402
 
 WORDS = "a the man woman dog cat runs sits on in red blue big small park house".split()
 

@@ -1,4 +1,4 @@
-"""Tests for flaxformer_lite.decoding with toy callbacks (fixed logits, no model).
+"""Tests for flaxformer_lite.decoding.search with toy callbacks (fixed logits, no model).
 
 Toy models:
 
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import decoding
-from flaxformer_lite.decoding import (
+from flaxformer_lite.decoding import search as decoding
+from flaxformer_lite.decoding.search import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -999,13 +999,15 @@ def test_special_ids_are_defined_in_one_place():
     import ast
     from pathlib import Path
 
-    from flaxformer_lite import special_ids, synthetic, tokenizer
-    from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.core import special_ids
+    from flaxformer_lite.data import tokenizer
+    from flaxformer_lite.data.tasks import synthetic
+    from flaxformer_lite.nn.config import TransformerConfig
 
     names = {"PAD_ID", "EOS_ID", "BOS_ID", "UNK_ID"}
     root = Path(__file__).resolve().parents[1]
     sources = [
-        *(root / "flaxformer_lite").glob("*.py"),
+        *(root / "flaxformer_lite").rglob("*.py"),
         root / "train.py",
         *root.glob("bench/*.py"),
     ]

@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import export
-from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.generate import generate
-from flaxformer_lite.inference import Translator
+from flaxformer_lite.core.special_ids import EOS_ID, PAD_ID
+from flaxformer_lite.data.tokenizer import Tokenizer
+from flaxformer_lite.decoding.generate import generate
+from flaxformer_lite.inference import export
+from flaxformer_lite.inference.translator import Translator
 from flaxformer_lite.models import EncoderDecoder
-from flaxformer_lite.special_ids import EOS_ID, PAD_ID
-from flaxformer_lite.tokenizer import Tokenizer
+from flaxformer_lite.nn.config import TransformerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = [
@@ -140,7 +140,7 @@ def model(tmp_path_factory):
     """(translator, train.py-style workdir, {method: artifact}): the beam artifact through the
     CLI from the workdir (its checkpoint, config.json's beam size and alpha), the greedy one
     through ``export_translator``."""
-    from flaxformer_lite.checkpoints import Checkpointer
+    from flaxformer_lite.core.checkpoints import Checkpointer
 
     work = tmp_path_factory.mktemp("export")
     vocab = Tokenizer.train(CORPUS, str(work / "spm_shared.model"), 60, num_threads=1)
@@ -495,8 +495,8 @@ def finetuned_workdir(work: Path, folder: Path) -> Path:
     generation_config.json, a checkpoint), with the folder's weights as the checkpoint."""
     import shutil
 
-    from flaxformer_lite import hf
-    from flaxformer_lite.checkpoints import Checkpointer
+    from flaxformer_lite.core.checkpoints import Checkpointer
+    from flaxformer_lite.interop import hf
 
     config, params, _ = hf.load_pretrained(str(folder))
     work.mkdir()
@@ -541,7 +541,7 @@ def sources(model, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["workdir", "finetuned", "hf_folder"])
 def test_artifact_translates_as_the_translator(sources, kind, tmp_path):
-    """``python -m flaxformer_lite.export --workdir SOURCE`` with no decoding flags: the
+    """``python -m flaxformer_lite.inference.export --workdir SOURCE`` with no decoding flags: the
     runtime's strings are ``Translator.from_pretrained(SOURCE).translate``'s, and it runs with
     only the manifest's requirements importable (their distributions cover every third-party
     module it imports)."""

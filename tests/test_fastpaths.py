@@ -25,13 +25,13 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import DecoderOnly, EncoderDecoder, TransformerConfig
-from flaxformer_lite.attention import (
+from flaxformer_lite.ops.attention import (
     cudnn_unsupported_reason,
     dot_product_attention,
     warn_cudnn_fallback,
 )
-from flaxformer_lite.blockwise import blockwise_attention
-from flaxformer_lite.masks import AttentionMask
+from flaxformer_lite.ops.blockwise import blockwise_attention
+from flaxformer_lite.ops.masks import AttentionMask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -254,7 +254,8 @@ TENSOR_PARALLEL = """
 import json
 import flax.linen as nn
 import jax, jax.numpy as jnp, numpy as np
-from flaxformer_lite import EncoderDecoder, TransformerConfig, sharding
+from flaxformer_lite import EncoderDecoder, TransformerConfig
+from flaxformer_lite.core import sharding
 base = TransformerConfig(vocab_size=64, d_model=64, num_heads=8, d_ff=64, num_encoder_layers=1,
                          num_decoder_layers=1, max_len=16, dropout_rate=0.0)
 x = jnp.ones((2, 6), jnp.int32)

@@ -320,7 +320,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from flaxformer_lite import EncoderDecoder, TransformerConfig  # noqa: E402
-from flaxformer_lite.quantize import quantize_params  # noqa: E402
+from flaxformer_lite.ops.quantize import quantize_params  # noqa: E402
 
 SRC_LENGTHS, TGT_LENGTHS = (9, 6, 3), (7, 4, 2)
 SRC_LEN, TGT_LEN, EXTRA_PADS = 10, 8, 3
@@ -492,7 +492,7 @@ def test_refused_pairs_name_the_field(pair):
 def train_refusal(cfg: TransformerConfig):
     """The preflight refusal of training ``cfg`` (an int8 model): a ConfigError naming
     config.model.quantization, one line."""
-    from flaxformer_lite import preflight
+    from flaxformer_lite.training import preflight
 
     spec = __import__("importlib.util").util.spec_from_file_location(
         "default_config", ROOT / "configs" / "default.py"
@@ -652,7 +652,7 @@ def test_b_cached_greedy_equals_uncached(cell):
     bfloat16: no other token more than ``decode_tolerance`` above it), and its score is the
     uncached log-probability of its tokens. In float32, also the tokens of an uncached greedy
     search, run independently."""
-    from flaxformer_lite.generate import generate
+    from flaxformer_lite.decoding.generate import generate
     from flaxformer_lite.models import unrolled
 
     cfg = config_of(cell)
@@ -689,7 +689,7 @@ def test_b_cached_greedy_equals_uncached(cell):
 
 @pytest.mark.parametrize("cell", cell_params("c"))
 def test_c_beam_in_place_equals_reordering_beam(cell):
-    from flaxformer_lite.generate import generate
+    from flaxformer_lite.decoding.generate import generate
 
     cfg = config_of(cell)
     params = model_params(cfg)
@@ -714,8 +714,8 @@ def test_c_beam_in_place_equals_reordering_beam(cell):
 def test_d_serving_export_decodes_as_generate(cell):
     """``export_function`` serialized and deserialized (what runtime.py loads), called with
     the same parameters, against ``generate``: the same tokens and scores."""
-    from flaxformer_lite.export import export_function
-    from flaxformer_lite.generate import generate
+    from flaxformer_lite.decoding.generate import generate
+    from flaxformer_lite.inference.export import export_function
     from flaxformer_lite.models import unrolled
 
     cfg = config_of(cell)
@@ -759,7 +759,7 @@ def hf_logits(folder: Path, src, tgt, bos: int) -> np.ndarray:
 
 @pytest.mark.parametrize("cell", e_params())
 def test_e_save_pretrained_is_read_by_marian_mt_model_or_refused(cell, tmp_path):
-    from flaxformer_lite import hf
+    from flaxformer_lite.interop import hf
 
     cfg = config_of(cell)
     folder = tmp_path / "hf"
@@ -790,7 +790,7 @@ def test_e_untied_output_projection_round_trips_through_marian(shared, tmp_path)
     """tie_word_embeddings=False (our tie_output_embedding=False), with a shared vocabulary
     or separate ones: the saved folder's MarianMTModel logits, and the model load_pretrained
     reads back from it, both against the float64 reference."""
-    from flaxformer_lite import hf
+    from flaxformer_lite.interop import hf
 
     cfg = config_of(BASELINE).replace(tie_output_embedding=False)
     if not shared:
@@ -808,7 +808,7 @@ def test_e_untied_output_projection_round_trips_through_marian(shared, tmp_path)
 
 
 def test_e_layer_norm_epsilon_other_than_marian_is_refused(tmp_path):
-    from flaxformer_lite import hf
+    from flaxformer_lite.interop import hf
 
     cfg = config_of(BASELINE).replace(layer_norm_epsilon=1e-6)
     with pytest.raises(ValueError, match="layer_norm_epsilon"):
@@ -821,7 +821,7 @@ def test_e_layer_norm_epsilon_other_than_marian_is_refused(tmp_path):
 def write_workdir(folder: Path, cfg: TransformerConfig, params) -> None:
     """A train.py workdir as init_from reads it: model_config.json and one checkpoint whose
     state holds the parameters."""
-    from flaxformer_lite.checkpoints import Checkpointer
+    from flaxformer_lite.core.checkpoints import Checkpointer
 
     folder.mkdir(parents=True)
     (folder / "model_config.json").write_text(cfg.to_json())
@@ -882,7 +882,7 @@ def test_f_init_from_workdir_restores_every_parameter_bitwise(
     """What train.py does with --config.init_from=WORKDIR (model_fields, init, restore_into)
     gives the fine-tuned model every pretrained parameter bit for bit, whether the pretrained
     run and the fine-tuning run scan their layers or not."""
-    from flaxformer_lite import init_from
+    from flaxformer_lite.interop import init_from
     from flaxformer_lite.models import unstack_layers
 
     cfg = config_of(cell)
@@ -1036,8 +1036,8 @@ def _mesh_worker(out: Path, ids: list[str]) -> None:
     whether every leaf is bitwise equal, carries the target sharding and is split, and the
     restored model's logits (``logits.npz``), which ``mesh_results`` compares with the
     one-device model's (computed there, in the parent: the compile path a already made)."""
-    from flaxformer_lite import sharding
-    from flaxformer_lite.checkpoints import Checkpointer
+    from flaxformer_lite.core import sharding
+    from flaxformer_lite.core.checkpoints import Checkpointer
 
     assert jax.device_count() == 8, jax.devices()
     results, mesh_logits = {}, {}

@@ -27,9 +27,14 @@ import optax  # noqa: E402
 from test_hf_marian import marian_config  # noqa: E402  (tests/ is on sys.path)
 
 import train  # noqa: E402
-from flaxformer_lite import hf, init_from, optim, tasks  # noqa: E402
-from flaxformer_lite.inference import Translator  # noqa: E402
-from flaxformer_lite.marian_tokenizer import MarianTokenizer  # noqa: E402
+from flaxformer_lite.data import tasks
+from flaxformer_lite.data.marian_tokenizer import MarianTokenizer  # noqa: E402
+from flaxformer_lite.inference.translator import Translator  # noqa: E402
+from flaxformer_lite.interop import (
+    hf,  # noqa: E402
+    init_from,
+)
+from flaxformer_lite.training import optim
 
 ROOT = Path(__file__).resolve().parents[1]
 EN = "the a dog cat man woman child runs walks sees big small red old house park".split()
@@ -290,7 +295,7 @@ def test_translator_and_export_of_the_fine_tuned_run(generated_run, tmp_path):
     for r, row in enumerate(ids):
         src[r, : len(row)] = row
     # The translate CLI takes the Hugging Face folder as its --workdir too, same defaults.
-    from flaxformer_lite import translate as translate_cli
+    from flaxformer_lite.cli import translate as translate_cli
 
     (tmp_path / "in.txt").write_text("\n".join(sentences) + "\n")
     args = ["--workdir", str(pretrained), "--input", str(tmp_path / "in.txt")]

@@ -14,13 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import (
-    DecoderOnly,
-    EncoderClassifier,
-    EncoderDecoder,
-    TransformerConfig,
-    flops,
-)
+from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig
+from flaxformer_lite.training import flops
 
 BASE = TransformerConfig(
     vocab_size=256,

@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 from etils import epath
 
-from flaxformer_lite import attention_maps, data, evaluate, paths, plot_metrics, translate
-from flaxformer_lite.checkpoints import finished_steps
-from flaxformer_lite.inference import load_vocabularies
-from flaxformer_lite.metrics import MetricWriter, read_metrics
-from flaxformer_lite.tokenizer import Tokenizer, load_or_train
+from flaxformer_lite.cli import attention_maps, evaluate, plot_metrics, translate
+from flaxformer_lite.core import paths
+from flaxformer_lite.core.checkpoints import finished_steps
+from flaxformer_lite.data import reading as data
+from flaxformer_lite.data.tokenizer import Tokenizer, load_or_train
+from flaxformer_lite.inference.translator import load_vocabularies
+from flaxformer_lite.training.metrics import MetricWriter, read_metrics
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train import ROOT, _train_cmd, _wait_for_checkpoint, final_params  # noqa: E402

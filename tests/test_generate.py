@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from flaxformer_lite import sharding
-from flaxformer_lite.config import TransformerConfig
-from flaxformer_lite.decoding import BOS_ID, EOS_ID, PAD_ID, length_penalty
-from flaxformer_lite.generate import generate
+from flaxformer_lite.core import sharding
+from flaxformer_lite.decoding.generate import generate
+from flaxformer_lite.decoding.search import BOS_ID, EOS_ID, PAD_ID, length_penalty
 from flaxformer_lite.models import EncoderDecoder
+from flaxformer_lite.nn.config import TransformerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

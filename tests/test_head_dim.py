@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 from random_weights import random_params  # tests/random_weights.py
 
-from flaxformer_lite import DecoderOnly, EncoderDecoder, TransformerConfig, hf, sharding
+from flaxformer_lite import DecoderOnly, EncoderDecoder, TransformerConfig
+from flaxformer_lite.core import sharding
+from flaxformer_lite.interop import hf
 
 HD = TransformerConfig(
     vocab_size=40,

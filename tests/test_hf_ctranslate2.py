@@ -26,8 +26,8 @@ spm = pytest.importorskip("sentencepiece")
 
 from test_hf_marian import marian_config  # noqa: E402  (tests/ is on sys.path)
 
-from flaxformer_lite import hf  # noqa: E402
-from flaxformer_lite.generate import generate  # noqa: E402
+from flaxformer_lite.decoding.generate import generate  # noqa: E402
+from flaxformer_lite.interop import hf  # noqa: E402
 
 WORDS = "the a cat dog house tree river green small old runs sees under over and with".split()
 

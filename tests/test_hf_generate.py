@@ -25,8 +25,8 @@ transformers = pytest.importorskip(
 
 from test_hf_marian import DECODING_QK_GAIN, padded_rows, random_marian  # noqa: E402
 
-from flaxformer_lite import hf  # noqa: E402
-from flaxformer_lite.generate import generate  # noqa: E402
+from flaxformer_lite.decoding.generate import generate  # noqa: E402
+from flaxformer_lite.interop import hf  # noqa: E402
 
 ROWS, SRC_LEN, MAX_NEW = 40, 12, 8
 EXTRA_EOS_BIAS = 3.0
@@ -223,7 +223,7 @@ def folders(tmp_path_factory):
 
     from test_export import CORPUS, marian_dir
 
-    from flaxformer_lite.tokenizer import Tokenizer
+    from flaxformer_lite.data.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("generation_cases")
     spm_model = root / "spm.model"
@@ -272,7 +272,7 @@ def generated_lengths(tokens, eos_id=0):
 
 @pytest.mark.parametrize("case", list(GENERATION_CASES))
 def test_translator_decodes_as_the_folders_generate(folders, case):
-    from flaxformer_lite.inference import Translator
+    from flaxformer_lite.inference.translator import Translator
 
     cases, tokenizer, _ = folders
     want_tokens, want = folder_generate(cases[case], tokenizer)
@@ -321,7 +321,7 @@ def test_save_pretrained_keeps_the_generation_config(folders, tmp_path):
 def test_bad_generation_configs_are_refused(folders, tmp_path):
     import shutil
 
-    from flaxformer_lite.inference import Translator
+    from flaxformer_lite.inference.translator import Translator
 
     cases, _, _ = folders
     config, params, tok = hf.load_pretrained(str(cases["unset"]))

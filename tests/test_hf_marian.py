@@ -1,4 +1,4 @@
-"""Marian checkpoints in and out (flaxformer_lite.hf) against the independent implementation:
+"""Marian checkpoints in and out (flaxformer_lite.interop.hf) against an independent implementation:
 Hugging Face ``MarianMTModel`` (transformers + torch), tiny random models built offline from a
 ``MarianConfig``.
 
@@ -22,8 +22,9 @@ transformers = pytest.importorskip(
 
 import jax  # noqa: E402
 
-from flaxformer_lite import EncoderDecoder, hf  # noqa: E402
-from flaxformer_lite.generate import generate  # noqa: E402
+from flaxformer_lite import EncoderDecoder  # noqa: E402
+from flaxformer_lite.decoding.generate import generate  # noqa: E402
+from flaxformer_lite.interop import hf
 
 VOCAB = 61
 PAD = VOCAB - 1
@@ -290,7 +291,7 @@ def test_save_and_load_through_a_bucket(saved, gcs):
 def test_exporting_a_workdir_of_another_architecture_fails_before_reading_it(tmp_path, capsys):
     """The paper's own configuration (interleaved sinusoids) is not a Marian model: the CLI
     says which fields differ and writes nothing."""
-    from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.nn.config import TransformerConfig
 
     (tmp_path / "model_config.json").write_text(TransformerConfig(vocab_size=10).to_json())
     assert hf.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
@@ -472,7 +473,7 @@ IRRELEVANT = {
 def test_every_config_field_is_classified():
     import dataclasses
 
-    from flaxformer_lite.config import TransformerConfig
+    from flaxformer_lite.nn.config import TransformerConfig
 
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     irrelevant = {name for name in IRRELEVANT if "+" not in name}
@@ -590,7 +591,7 @@ def test_int8_model_is_refused_or_written_dequantized(name, tmp_path):
     ``dequantize=True``; then MarianMTModel reads exactly the dequantized weights and gives the
     logits of our float model run on them (within 1e-5). Tied (the int8 logits copy dropped)
     and untied (lm_head itself quantized) output."""
-    from flaxformer_lite.quantize import quantize_params
+    from flaxformer_lite.ops.quantize import quantize_params
 
     model = random_marian(name, seed=5)
     model.save_pretrained(tmp_path / "hf")
@@ -637,11 +638,11 @@ def test_int8_model_is_refused_or_written_dequantized(name, tmp_path):
 
 
 def test_cli_dequantize_flag_exports_an_int8_workdir(opus, tmp_path, capsys):
-    """``python -m flaxformer_lite.hf`` on a workdir whose model is int8: refused (exit 2,
+    """``python -m flaxformer_lite.interop.hf`` on a workdir whose model is int8: refused (exit 2,
     nothing written) without --dequantize, and with --average > 1; with it, the folder holds the
     dequantized weights."""
-    from flaxformer_lite.checkpoints import Checkpointer
-    from flaxformer_lite.quantize import quantize_params
+    from flaxformer_lite.core.checkpoints import Checkpointer
+    from flaxformer_lite.ops.quantize import quantize_params
 
     _, _, config, params = opus
     config_q = config.replace(quantization="int8")

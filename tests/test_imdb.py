@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import EncoderClassifier, TransformerConfig, attention_maps
-from flaxformer_lite.attention_maps import classifier_pooling
+from flaxformer_lite import EncoderClassifier, TransformerConfig
+from flaxformer_lite.cli import attention_maps
+from flaxformer_lite.cli.attention_maps import classifier_pooling
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

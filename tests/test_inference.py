@@ -25,8 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import attention_maps, evaluate, translate  # noqa: E402
-from flaxformer_lite.inference import SymbolVocabulary, Translator  # noqa: E402
+from flaxformer_lite.cli import (
+    attention_maps,  # noqa: E402
+    evaluate,
+    translate,
+)
+from flaxformer_lite.inference.translator import SymbolVocabulary, Translator  # noqa: E402
 
 # Four non-empty lines (one compiled shape for every translate call below: 4 rows, and sources
 # padded to the model's max_len of 7), two empty ones, in an order that sorting would change.
@@ -133,8 +137,8 @@ LONG = "271828182845904523536028747135"  # 30 symbols + EOS: limit min(48, 56) =
 
 @pytest.fixture(scope="module")
 def endless_translator() -> Translator:
-    from flaxformer_lite.config import TransformerConfig
-    from flaxformer_lite.special_ids import SPECIAL_PIECES
+    from flaxformer_lite.core.special_ids import SPECIAL_PIECES
+    from flaxformer_lite.nn.config import TransformerConfig
 
     config = TransformerConfig(
         vocab_size=14,
@@ -174,7 +178,7 @@ def test_a_sentence_translates_the_same_alone_and_beside_a_long_one(endless_tran
 def test_bleu_evaluation_in_training_decodes_each_source_to_its_own_limit(endless_translator):
     from types import SimpleNamespace
 
-    from flaxformer_lite.generate import default_mesh
+    from flaxformer_lite.decoding.generate import default_mesh
 
     vocab, config = endless_translator.source_vocab, endless_translator.config
 
@@ -404,9 +408,9 @@ def spm_workdir(tmp_path_factory) -> Path:
     """A translation-style workdir written by hand: shared SentencePiece model, config files
     and an Orbax checkpoint of a train state with random parameters (the layout train.py
     writes), so the SentencePiece path is tested without a translation training run."""
-    from flaxformer_lite.checkpoints import Checkpointer
-    from flaxformer_lite.config import TransformerConfig
-    from flaxformer_lite.tokenizer import Tokenizer
+    from flaxformer_lite.core.checkpoints import Checkpointer
+    from flaxformer_lite.data.tokenizer import Tokenizer
+    from flaxformer_lite.nn.config import TransformerConfig
 
     path = tmp_path_factory.mktemp("spm_run")
     tokenizer = Tokenizer.train(CORPUS, str(path / "spm_shared.model"), 48, num_threads=1)

@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import init_from, preflight  # noqa: E402
-from flaxformer_lite.checkpoints import Checkpointer  # noqa: E402
-from flaxformer_lite.config import TransformerConfig  # noqa: E402
-from flaxformer_lite.preflight import ConfigError  # noqa: E402
+from flaxformer_lite.core.checkpoints import Checkpointer  # noqa: E402
+from flaxformer_lite.interop import init_from  # noqa: E402
+from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
+from flaxformer_lite.training import preflight
+from flaxformer_lite.training.preflight import ConfigError  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 from test_train import load_config  # noqa: E402

@@ -1,4 +1,4 @@
-"""flaxformer_lite.marian_tokenizer against transformers.MarianTokenizer (the reference), on
+"""flaxformer_lite.data.marian_tokenizer against transformers.MarianTokenizer (the reference), on
 SentencePiece models trained here and a vocabulary built the way Marian's is: the same ids for
 thousands of sentences on both sides, the same text back, and files each can read."""
 
@@ -14,7 +14,7 @@ transformers = pytest.importorskip(
     "transformers", reason="MarianTokenizer is the reference (pip install -e '.[test]')"
 )
 
-from flaxformer_lite.marian_tokenizer import MarianTokenizer  # noqa: E402
+from flaxformer_lite.data.marian_tokenizer import MarianTokenizer  # noqa: E402
 
 EN = "the a dog cat man woman child runs walks sees big small red old new house park".split()
 DE = "der die das Hund Katze Mann Frau Kind läuft geht sieht groß klein rot alt neu Haus".split()

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import masks
+from flaxformer_lite.ops import masks
 
 
 def test_padding_mask_hand_written():

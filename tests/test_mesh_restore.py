@@ -47,8 +47,9 @@ def _worker(out: Path) -> None:
 
     sys.path.insert(0, str(ROOT))
     import train
-    from flaxformer_lite import EncoderDecoder, TransformerConfig, sharding
-    from flaxformer_lite.checkpoints import Checkpointer
+    from flaxformer_lite import EncoderDecoder, TransformerConfig
+    from flaxformer_lite.core import sharding
+    from flaxformer_lite.core.checkpoints import Checkpointer
 
     assert jax.device_count() == 8, jax.devices()
     cfg = TransformerConfig(

@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward blocks (flaxformer_lite/moe.py) and the models built with them.
+"""Mixture-of-experts feed-forward blocks (flaxformer_lite/nn/moe.py) and the models built on them.
 
 The routing arithmetic is checked on router logits built by hand, the block against a float64
 NumPy mixture written here and against the dense block it generalises, the models through
@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from test_sharding import final_loss, run_train, saved_state  # tests/ is on sys.path
 
-from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig, moe
-from flaxformer_lite.layers import MlpBlock
+from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig
+from flaxformer_lite.nn import moe
+from flaxformer_lite.nn.layers import MlpBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402

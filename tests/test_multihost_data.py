@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flaxformer_lite.translation_task import build_translation_data
+from flaxformer_lite.data.tasks.translation import build_translation_data
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -118,8 +118,8 @@ def test_eight_permuted_devices_decode_in_reference_order(tmp_path, corpus):
 GCS_ROUND_TRIP = """
 import numpy as np
 from etils import epath
-from flaxformer_lite.encoding import EncodedPairs
-from flaxformer_lite.workdir_data import load_token_cache, save_token_cache
+from flaxformer_lite.data.encoding import EncodedPairs
+from flaxformer_lite.data.workdir import load_token_cache, save_token_cache
 examples = [{"inputs": np.array([5, 6, 1], np.int32), "targets": np.array([7, 1], np.int32)},
             {"inputs": np.array([8, 1], np.int32), "targets": np.array([9, 9, 9, 1], np.int32)}]
 cache = "gs://bucket/run/data_cache/train-x"

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from flaxformer_lite import plot_metrics
+from flaxformer_lite.cli import plot_metrics
 
 
 def _write_metrics(workdir, records):

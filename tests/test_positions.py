@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite import positions
+from flaxformer_lite.ops import positions
 
 
 def test_sinusoidal_matches_paper_formula_elementwise():

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import preflight  # noqa: E402
-from flaxformer_lite.preflight import ConfigError  # noqa: E402
+from flaxformer_lite.training import preflight  # noqa: E402
+from flaxformer_lite.training.preflight import ConfigError  # noqa: E402
 
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "common")
 

@@ -17,11 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import translate  # noqa: E402
-from flaxformer_lite.config import TransformerConfig  # noqa: E402
-from flaxformer_lite.inference import Translator  # noqa: E402
+from flaxformer_lite.cli import translate  # noqa: E402
+from flaxformer_lite.inference.translator import Translator  # noqa: E402
 from flaxformer_lite.models import EncoderClassifier, EncoderDecoder  # noqa: E402
-from flaxformer_lite.quantize import (  # noqa: E402
+from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
+from flaxformer_lite.ops.quantize import (  # noqa: E402
     dequantize_params,
     int8_matmul,
     quantize_params,

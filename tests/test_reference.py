@@ -201,7 +201,7 @@ def test_rotary_matches_closed_form_rotation():
     """positions.rotary against RoFormer's block rotation matrices, theta_i = 10000^(-2i/d) on
     the channel pairs (i, i + d/2), built in float64 by ``numpy_reference.rotation_matrix``; at
     arbitrary (not only increasing) positions, head_dim 8 and 16."""
-    from flaxformer_lite.positions import rotary
+    from flaxformer_lite.ops.positions import rotary
 
     rng = np.random.default_rng(3)
     for head_dim in (8, 16):
@@ -234,7 +234,7 @@ BF16_OUT_RTOL = 2 * 2.0**-8
 
 
 def test_softmax_stays_float32_under_bfloat16_attention_function():
-    from flaxformer_lite.attention import dot_product_attention
+    from flaxformer_lite.ops.attention import dot_product_attention
 
     bf16 = jnp.bfloat16
     q = jnp.asarray(CLOSE_QUERY[None, :, None], bf16)  # [1, 1, 1, 4]
@@ -251,7 +251,7 @@ def test_softmax_stays_float32_under_bfloat16_attention_function():
 def test_softmax_stays_float32_under_bfloat16_attention_module():
     """The same logits through ``MultiHeadAttention(dtype=bfloat16)`` with identity
     projections (keys and values from ``inputs_kv``), against the float64 reference layer."""
-    from flaxformer_lite.layers import MultiHeadAttention
+    from flaxformer_lite.nn.layers import MultiHeadAttention
 
     eye = np.eye(4, dtype=np.float32)
     proj = {"kernel": eye[:, None, :], "bias": np.zeros((1, 4), np.float32)}

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import DecoderOnly, EncoderDecoder, TransformerConfig
-from flaxformer_lite.generate import generate
+from flaxformer_lite.decoding.generate import generate
 from flaxformer_lite.models import shift_right, unstack_layers
-from flaxformer_lite.positions import relative_position_bucket
+from flaxformer_lite.ops.positions import relative_position_bucket
 
 ATOL = 1e-5
 

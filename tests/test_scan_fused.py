@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import DecoderOnly, EncoderDecoder, TransformerConfig
-from flaxformer_lite.generate import continue_prompt, generate, init_cache
-from flaxformer_lite.inference import SymbolVocabulary, Translator
+from flaxformer_lite.decoding.generate import continue_prompt, generate, init_cache
+from flaxformer_lite.inference.translator import SymbolVocabulary, Translator
 from flaxformer_lite.models import (
     attention_weights_per_layer,
     shift_right,
@@ -352,7 +352,8 @@ SHARDED_INIT = """
 import json
 import flax.linen as nn
 import jax, jax.numpy as jnp
-from flaxformer_lite import EncoderDecoder, TransformerConfig, sharding
+from flaxformer_lite import EncoderDecoder, TransformerConfig
+from flaxformer_lite.core import sharding
 cfg = TransformerConfig(vocab_size=48, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
                         num_decoder_layers=2, max_len=16, scan_layers=True, fused_qkv=True)
 model = EncoderDecoder(cfg)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from flaxformer_lite import sharding
-from flaxformer_lite.checkpoints import Checkpointer
+from flaxformer_lite.core import sharding
+from flaxformer_lite.core.checkpoints import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,20 +21,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import sharding  # noqa: E402
-from flaxformer_lite.batching import (  # noqa: E402
+from flaxformer_lite.core import sharding  # noqa: E402
+from flaxformer_lite.data.batching import (  # noqa: E402
     batch_by_tokens,
     classification_batches,
     lm_batches,
     padding_fraction,
 )
-from flaxformer_lite.config import TransformerConfig  # noqa: E402
-from flaxformer_lite.encoding import encode_labeled, encode_pairs, lm_token_stream  # noqa: E402
-from flaxformer_lite.generate import generate  # noqa: E402
-from flaxformer_lite.inference import BUCKET, SymbolVocabulary, Translator  # noqa: E402
+from flaxformer_lite.data.encoding import encode_labeled, encode_pairs, lm_token_stream  # noqa: E402
+from flaxformer_lite.data.packing import pack_examples  # noqa: E402
+from flaxformer_lite.data.tasks.base import Task, vocabulary_ids  # noqa: E402
+from flaxformer_lite.decoding.generate import generate  # noqa: E402
+from flaxformer_lite.inference.translator import BUCKET, SymbolVocabulary, Translator  # noqa: E402
 from flaxformer_lite.models import EncoderDecoder  # noqa: E402
-from flaxformer_lite.packing import pack_examples  # noqa: E402
-from flaxformer_lite.tasks import Task, vocabulary_ids  # noqa: E402
+from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
 
 EOS, UNK = 0, 1
 SYMBOLS = "0123456789"
@@ -266,7 +266,7 @@ def test_a_resumed_run_keeps_the_ids_its_vocabulary_gave_model_config_json():
     config.model are compared."""
     import dataclasses
 
-    from flaxformer_lite import preflight
+    from flaxformer_lite.training import preflight
 
     config = default_config()
     saved = dataclasses.asdict(TransformerConfig(**{**config.model, **vocabulary_ids(VOCABULARY)}))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flaxformer_lite.synthetic import SymbolVocabulary, SyntheticStream, SyntheticTask
+from flaxformer_lite.data.tasks.synthetic import SymbolVocabulary, SyntheticStream, SyntheticTask
 
 
 @pytest.mark.parametrize("name", ["reverse", "sort", "add"])

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from flaxformer_lite.tokenizer import (
+from flaxformer_lite.data.tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

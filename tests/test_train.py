@@ -22,9 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import losses, optim  # noqa: E402
-from flaxformer_lite.checkpoints import Checkpointer, finished_steps  # noqa: E402
-from flaxformer_lite.metrics import read_metrics  # noqa: E402
+from flaxformer_lite.core.checkpoints import Checkpointer, finished_steps  # noqa: E402
+from flaxformer_lite.training import (
+    losses,  # noqa: E402
+    optim,
+)
+from flaxformer_lite.training.metrics import read_metrics  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 import exact_match_reference  # noqa: E402
@@ -442,7 +445,7 @@ def test_bad_config_values_name_the_field(tmp_path):
 
 
 def test_auto_dtype_resolves_by_backend():
-    from flaxformer_lite.tasks import Task
+    from flaxformer_lite.data.tasks import Task
 
     task = Task(kind="synthetic", train=None, eval_batches=[], vocab_size=20,
                 target_vocab_size=None, max_len=8)  # fmt: skip

@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from flaxformer_lite import DecoderOnly, TransformerConfig, checkpoints, optim  # noqa: E402
-from flaxformer_lite.metrics import read_metrics  # noqa: E402
+from flaxformer_lite import DecoderOnly, TransformerConfig  # noqa: E402
+from flaxformer_lite.core import checkpoints
+from flaxformer_lite.training import optim
+from flaxformer_lite.training.metrics import read_metrics  # noqa: E402
 
 SLOW = 1e6  # fake seconds that each compilation, evaluation and checkpoint save takes
 

@@ -19,10 +19,15 @@ import numpy as np
 import pytest
 
 from flaxformer_lite import DecoderOnly, EncoderDecoder, TransformerConfig
-from flaxformer_lite.attention import cudnn_unsupported_reason, dot_product_attention
-from flaxformer_lite.blockwise import _Config, _k_block_range, _q_block_range, blockwise_attention
-from flaxformer_lite.generate import continue_prompt, generate, init_cache
-from flaxformer_lite.masks import AttentionMask, causal_mask, combine_masks, local_mask
+from flaxformer_lite.decoding.generate import continue_prompt, generate, init_cache
+from flaxformer_lite.ops.attention import cudnn_unsupported_reason, dot_product_attention
+from flaxformer_lite.ops.blockwise import (
+    _Config,
+    _k_block_range,
+    _q_block_range,
+    blockwise_attention,
+)
+from flaxformer_lite.ops.masks import AttentionMask, causal_mask, combine_masks, local_mask
 
 # ----------------------------------------------------------------------------- masks
 

@@ -1,0 +1,37 @@
+"""Text in, fixed-shape batches out.
+
+``reading`` (parallel text, TSV, JSON lines, hub datasets), ``tokenizer`` (SentencePiece) and
+``marian_tokenizer`` (a pretrained Marian model's), ``encoding`` (text to ids), ``batching``
+(length buckets, fixed shapes), ``packing`` (several examples per row), ``stream`` (the endless,
+resumable training stream), ``workdir`` (vocabularies and the token cache a run keeps),
+``tasks/`` (one module per kind of run, and the registry that picks one).
+
+The reading names (``DataError``, ``load_pairs``, ...) are re-exported here: they were
+``flaxformer_lite.data`` before the package had subfolders.
+"""
+
+from flaxformer_lite.data.reading import (
+    DATA_FORMATS,
+    DataError,
+    DataStats,
+    describe_pairs_source,
+    iter_pairs,
+    load_labeled,
+    load_pairs,
+    load_text,
+    normalize,
+    read_parallel_files,
+)
+
+__all__ = [
+    "DATA_FORMATS",
+    "DataError",
+    "DataStats",
+    "describe_pairs_source",
+    "iter_pairs",
+    "load_labeled",
+    "load_pairs",
+    "load_text",
+    "normalize",
+    "read_parallel_files",
+]

@@ -1,0 +1,374 @@
+"""The translation task: parallel text to a training stream, eval batches and BLEU references.
+
+:func:`build_translation_data` does the data side (vocabularies, token cache, batch plans,
+eval batches); :func:`build` turns it into the :class:`~flaxformer_lite.data.tasks.Task` the train
+loop reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import itertools
+import json
+import os
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from flaxformer_lite.core import paths
+from flaxformer_lite.data.batching import (
+    Batch,
+    BatchPlan,
+    batch_by_tokens,
+    bucket_boundaries,
+    plan_by_tokens,
+    rows_for_length,
+)
+from flaxformer_lite.data.encoding import (
+    EncodedPairs,
+    check_too_long,
+    encode_pairs,
+    encode_pairs_to_arrays,
+)
+from flaxformer_lite.data.packing import plan_packing
+from flaxformer_lite.data.reading import DataError, DataStats, describe_pairs_source, iter_pairs
+from flaxformer_lite.data.stream import BatchStream
+from flaxformer_lite.data.tasks.base import Task, local_split, vocabulary_ids
+from flaxformer_lite.data.tokenizer import Tokenizer
+from flaxformer_lite.data.workdir import (
+    CACHE_DIR,
+    load_token_cache,
+    main_process_first,
+    save_token_cache,
+    vocabulary,
+)
+
+
+@dataclasses.dataclass
+class TranslationData:
+    """Everything a translation run needs from the data side.
+
+    Attributes:
+      train: endless stream of this process's training batches.
+      eval_batches: global evaluation batches (fixed shapes, not shuffled) with an
+        ``index`` [rows] key pointing into ``eval_pairs`` (-1 on padding rows).
+      eval_pairs: normalized (source, reference) strings of the eval split (BLEU).
+      src_tokenizer, tgt_tokenizer: the same object when the vocabulary is shared.
+      stats: counts of the training split; eval_stats: of the eval split.
+      padding_fraction: share of PAD target positions in the epoch-0 training batches.
+      boundaries: the bucket lengths (one compiled shape each).
+      cache_dir: the token cache of the training split (see :func:`save_token_cache`).
+    """
+
+    train: BatchStream
+    eval_batches: list[Batch]
+    eval_pairs: list[tuple[str, str]]
+    src_tokenizer: Tokenizer
+    tgt_tokenizer: Tokenizer
+    stats: DataStats
+    padding_fraction: float
+    eval_stats: DataStats = dataclasses.field(default_factory=DataStats)
+    boundaries: list[int] = dataclasses.field(default_factory=list)
+    cache_dir: str | None = None
+
+
+_CACHE_FORMAT = 1
+
+
+def _file_digest(path: str) -> str:
+    return hashlib.sha256(epath.Path(path).read_bytes()).hexdigest()
+
+
+def _location_fields(config: Any) -> str:
+    """The config fields that locate a split, for error messages."""
+    if config.data_dir is not None:
+        return f"under config.data_dir={config.data_dir!r}"
+    return f"of config.dataset={config.dataset!r}"
+
+
+def pretrained_vocabulary(source: str, workdir: str) -> tuple[Any, Any, list[str]]:
+    """(source side, target side, file paths) of the Marian tokenizer of ``source`` (a
+    Hugging Face folder or hub id, see ``core.hub.resolve``), copied into ``workdir`` by process 0
+    when it has none (``source.spm``, ``target.spm``, ``vocab.json``) and read from there by
+    every process, on resume and by the Translator."""
+    from flaxformer_lite.data.marian_tokenizer import REQUIRED_FILES, MarianTokenizer
+
+    def get(writer: bool) -> Any:
+        if writer and not (paths.resolve(workdir) / "vocab.json").is_file():
+            from flaxformer_lite.core.hub import resolve
+
+            MarianTokenizer.load(str(resolve(source))).save(workdir)
+        return MarianTokenizer.load(workdir)
+
+    tokenizer = main_process_first(get, "vocabulary")
+    files = [os.path.join(workdir, name) for name in REQUIRED_FILES]
+    return tokenizer.source, tokenizer.target, files
+
+
+def build_translation_data(
+    config: Any,
+    workdir: str,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> TranslationData:
+    """Loads, tokenizes and batches a translation corpus as described by ``config``.
+
+    ``config`` needs the attributes: dataset, dataset_config, data_dir, data_format,
+    source_lang, target_lang, train_split, eval_split, vocab_size, shared_vocab,
+    spm_model_type, max_len, too_long, tokens_per_batch, batch_size_multiple, packing,
+    seed (optional: source_column, target_column, streaming).
+
+    Several hosts: JAX process 0 does the one-off work and the others wait for it
+    (:func:`main_process_first`). It trains the SentencePiece models on the training split
+    when the workdir has none (``spm_shared.model``, or ``spm_src.model`` and
+    ``spm_tgt.model``), then tokenizes the training split once into a token cache,
+    ``{workdir}/data_cache/{split}-{hash}/`` (:func:`save_token_cache`; the hash covers the
+    data source, ``max_len``, ``too_long`` and the vocabulary bytes). Every process then
+    loads the vocabulary and memory-maps the cache; a resumed run reads neither the corpus
+    nor the tokenizer again. Each process plans every batch from the examples' lengths (a few
+    bytes each) and reads the tokens of its own rows only. ``streaming=True`` reads the
+    corpus through ``datasets`` streaming (see :func:`iter_pairs`); process 0 then reads it
+    twice when it has to train the vocabulary (once for that, once to tokenize).
+
+    Eval pairs are read first and encoded by every process (an eval split is small); they are
+    always truncated, never dropped, so the eval set is complete.
+
+    Raises:
+      DataError: before anything is written to the workdir, when the eval split, or the
+        training split the vocabulary or the token cache would be built from, has no pair
+        with both sides non-empty, or when ``too_long="drop"`` drops every training pair.
+    """
+    import jax
+
+    if config.batch_size_multiple % process_count:
+        raise ValueError(
+            f"batch_size_multiple ({config.batch_size_multiple}) must be a multiple of "
+            f"process_count ({process_count}) so every host gets the same number of rows"
+        )
+    check_too_long(config.too_long)
+    source = {
+        "dataset": config.dataset,
+        "dataset_config": config.dataset_config,
+        "data_dir": config.data_dir,
+        "data_format": config.data_format,
+        "source_lang": config.source_lang,
+        "target_lang": config.target_lang,
+        "source_column": getattr(config, "source_column", None),
+        "target_column": getattr(config, "target_column", None),
+    }
+    streaming = bool(getattr(config, "streaming", False) or False)
+
+    # The eval split first: it is small, every process reads it, and an empty one must stop
+    # the run before anything is written to the workdir.
+    eval_stats = DataStats()
+    eval_pairs = list(
+        iter_pairs(split=config.eval_split, streaming=streaming, stats=eval_stats, **source)
+    )
+    if not eval_pairs:
+        raise DataError(
+            f"empty eval split: {describe_pairs_source(split=config.eval_split, **source)} has "
+            f"no pair with both sides non-empty ({eval_stats.summary()}); config.eval_split "
+            f"({_location_fields(config)}) must name a split with at least one pair"
+        )
+
+    def train_pairs(stats: DataStats | None = None) -> Iterator[tuple[str, str]]:
+        return iter_pairs(split=config.train_split, streaming=streaming, stats=stats, **source)
+
+    def empty_train_split(stats: DataStats) -> DataError:
+        return DataError(
+            f"empty training split: {describe_pairs_source(split=config.train_split, **source)}"
+            f" has no pair with both sides non-empty ({stats.summary()}); config.train_split "
+            f"({_location_fields(config)}) must name a split with at least one pair"
+        )
+
+    def train_texts(sides: slice) -> Iterator[str]:
+        """The training split's sentences for the vocabulary, ``pair[sides]`` of each pair;
+        an empty split raises here, before SentencePiece runs or any file is written."""
+        stats = DataStats()
+        pairs = train_pairs(stats)
+        first = next(pairs, None)
+        if first is None:
+            raise empty_train_split(stats)
+        return (text for pair in itertools.chain([first], pairs) for text in pair[sides])
+
+    paths.makedirs(workdir)
+    if getattr(config, "tokenizer", None):  # a pretrained model's Marian tokenizer
+        src_tokenizer, tgt_tokenizer, vocab_paths = pretrained_vocabulary(config.tokenizer, workdir)
+    else:
+        names = ["spm_shared.model"] if config.shared_vocab else ["spm_src.model", "spm_tgt.model"]
+        vocab_paths = [os.path.join(workdir, name) for name in names]
+        sides = [slice(0, 2)] if config.shared_vocab else [slice(0, 1), slice(1, 2)]
+        tokenizers = [
+            vocabulary(path, functools.partial(train_texts, side), config)
+            for path, side in zip(vocab_paths, sides, strict=True)
+        ]
+        src_tokenizer, tgt_tokenizer = tokenizers[0], tokenizers[-1]
+    pad_id = vocabulary_ids(src_tokenizer, tgt_tokenizer)["pad_id"]
+
+    max_len = config.max_len
+    key = {
+        "format": _CACHE_FORMAT,
+        "source": source,
+        "split": config.train_split,
+        "max_len": max_len,
+        "too_long": config.too_long,
+        "vocabulary": [_file_digest(path) for path in vocab_paths],
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    cache_dir = os.path.join(workdir, CACHE_DIR, f"{config.train_split}-{digest}")
+
+    def token_cache(writer: bool) -> tuple[EncodedPairs, dict]:
+        loaded = load_token_cache(cache_dir, key)
+        if loaded is not None:
+            return loaded
+        if not writer:
+            raise FileNotFoundError(
+                f"process {jax.process_index()}: no complete token cache in {cache_dir} after "
+                "process 0 built it (is the workdir shared by every host?)"
+            )
+        stats = DataStats()
+        encoded = encode_pairs_to_arrays(
+            train_pairs(stats),
+            src_tokenizer,
+            tgt_tokenizer,
+            max_len=max_len,
+            too_long=config.too_long,
+            stats=stats,
+        )
+        if not len(encoded):  # checked before the cache is written: no empty cache is left
+            if stats.num_read == stats.num_empty_dropped:
+                raise empty_train_split(stats)
+            raise DataError(
+                f"no training examples left in "
+                f"{describe_pairs_source(split=config.train_split, **source)}: "
+                f"{stats.summary()}; raise config.max_len={max_len} or set "
+                f"config.too_long='truncate'"
+            )
+        save_token_cache(cache_dir, encoded, {"key": key, "stats": dataclasses.asdict(stats)})
+        return load_token_cache(cache_dir, key)
+
+    train_examples, meta = main_process_first(token_cache, "token cache")
+    stats = DataStats(**meta["stats"])
+
+    eval_examples = encode_pairs(
+        eval_pairs,
+        src_tokenizer,
+        tgt_tokenizer,
+        max_len=max_len,
+        too_long="truncate",
+        stats=eval_stats,
+    )
+    boundaries = bucket_boundaries(max_len)
+    tokens_per_batch, multiple, seed = (
+        config.tokens_per_batch,
+        config.batch_size_multiple,
+        config.seed,
+    )
+    in_len, tgt_len = train_examples.input_lengths, train_examples.target_lengths
+    if config.packing:
+        rows = rows_for_length(max_len, tokens_per_batch, multiple)
+
+        def make_plans(epoch: int) -> list[BatchPlan]:
+            return plan_packing(
+                in_len,
+                tgt_len,
+                length=max_len,
+                rows_per_batch=rows,
+                pad_id=pad_id,
+                seed=seed,
+                epoch=epoch,
+            )
+    else:
+        lengths = np.maximum(in_len, tgt_len)
+
+        def make_plans(epoch: int) -> list[BatchPlan]:
+            return plan_by_tokens(
+                lengths,
+                tokens_per_batch=tokens_per_batch,
+                boundaries=boundaries,
+                pad_id=pad_id,
+                batch_size_multiple=multiple,
+                seed=seed,
+                epoch=epoch,
+            )
+
+    train = BatchStream(
+        make_plans,
+        process_index=process_index,
+        process_count=process_count,
+        examples=train_examples,
+    )
+    plans = train.epoch_plans()
+    positions = sum(plan.rows * plan.length for plan in plans)
+    real = sum(plan.target_tokens(tgt_len) for plan in plans)
+    eval_batches = batch_by_tokens(
+        eval_examples,
+        tokens_per_batch=tokens_per_batch,
+        boundaries=boundaries,
+        pad_id=pad_id,
+        batch_size_multiple=multiple,
+        shuffle=False,
+        with_index=True,
+    )
+    return TranslationData(
+        train=train,
+        eval_batches=eval_batches,
+        eval_pairs=eval_pairs,
+        src_tokenizer=src_tokenizer,
+        tgt_tokenizer=tgt_tokenizer,
+        stats=stats,
+        padding_fraction=1.0 - real / positions,
+        eval_stats=eval_stats,
+        boundaries=list(boundaries) if not config.packing else [max_len],
+        cache_dir=cache_dir,
+    )
+
+
+def build(config: Any, workdir: str, process_index: int, process_count: int) -> Task:
+    """The translation :class:`Task`: BLEU of greedy decoding against the eval references.
+
+    Hub split names ("validation") map to local file names ("val") by ``config.local_splits``.
+    """
+    resolved = types.SimpleNamespace(**config.to_dict())
+    resolved.train_split = local_split(config, config.train_split)
+    resolved.eval_split = local_split(config, config.eval_split)
+    d = build_translation_data(
+        resolved, workdir, process_index=process_index, process_count=process_count
+    )
+    inputs, refs = [], []
+    for batch in d.eval_batches:
+        idx = batch["index"]
+        inputs.append(batch["inputs"])
+        refs.append([d.eval_pairs[i][1] if i >= 0 else None for i in idx])
+    # One vocabulary: the same tokenizer, or a Marian tokenizer's two sides over one table.
+    shared = d.src_tokenizer is d.tgt_tokenizer or (
+        d.src_tokenizer.vocab_size == d.tgt_tokenizer.vocab_size
+        and getattr(d.tgt_tokenizer, "shares_table_with", lambda _: False)(d.src_tokenizer)
+    )
+    return Task(
+        kind="translation",
+        train=d.train,
+        eval_batches=[{k: v for k, v in b.items() if k != "index"} for b in d.eval_batches],
+        vocab_size=d.src_tokenizer.vocab_size,
+        target_vocab_size=None if shared else d.tgt_tokenizer.vocab_size,
+        max_len=config.max_len,
+        decode_inputs=inputs,
+        decode_references=refs,
+        detokenize=d.tgt_tokenizer.decode,
+        source_detokenize=d.src_tokenizer.decode,
+        special_ids=vocabulary_ids(d.src_tokenizer, d.tgt_tokenizer),
+        metric="bleu",
+        log_lines=[
+            f"train: {d.stats.summary()}",
+            f"eval: {d.eval_stats.summary()}",
+            f"vocabulary: {d.src_tokenizer.vocab_size} ({'shared' if shared else 'source'}), "
+            f"buckets {d.boundaries}, padding share of target positions "
+            f"{100 * d.padding_fraction:.1f}%",
+        ],
+    )

@@ -1,0 +1,226 @@
+"""Subword tokenizer: a thin wrapper around a SentencePiece model with fixed special ids.
+
+The special ids are the project's (``special_ids``, re-exported here): ``PAD_ID=0``
+(padding, zero loss weight), ``EOS_ID=1`` (appended to every sequence), ``BOS_ID=2`` (the
+first decoder input) and ``UNK_ID=3``. A :class:`Tokenizer` exposes them as ``pad_id``,
+``eos_id``, ``bos_id`` and ``unk_id``, which is what the data pipeline and the translator
+read (another vocabulary, e.g. Marian's, has other ids).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import sentencepiece as spm
+from etils import epath
+
+from flaxformer_lite.core import paths
+from flaxformer_lite.core.special_ids import BOS_ID, EOS_ID, PAD_ID, SPECIAL_PIECES, UNK_ID
+
+__all__ = ["BOS_ID", "EOS_ID", "MODEL_TYPES", "PAD_ID", "UNK_ID", "Tokenizer", "load_or_train"]
+
+MODEL_TYPES = ("unigram", "bpe", "char")
+
+_SPECIAL_IDS = {"pad": PAD_ID, "eos": EOS_ID, "bos": BOS_ID, "unk": UNK_ID}
+
+
+class Tokenizer:
+    """A SentencePiece model plus the project's id conventions.
+
+    ``encode`` never adds BOS/EOS (the data pipeline appends EOS itself, so the rule lives
+    in one place); ``decode`` is the inverse for model outputs: it stops at the first EOS
+    and ignores PAD/BOS.
+    """
+
+    def __init__(self, processor: spm.SentencePieceProcessor, path: str) -> None:
+        self._sp = processor
+        self._path = path
+        actual = {
+            "pad": processor.pad_id(),
+            "eos": processor.eos_id(),
+            "bos": processor.bos_id(),
+            "unk": processor.unk_id(),
+        }
+        if actual != _SPECIAL_IDS:
+            raise ValueError(
+                f"SentencePiece model {path!r} has special ids {actual}; this project needs "
+                f"{_SPECIAL_IDS} (train it with Tokenizer.train)"
+            )
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def load(cls, path: str) -> Tokenizer:
+        """Loads a model written by :meth:`train` (a local path or a ``gs://`` URI)."""
+        file = epath.Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"SentencePiece model not found: {path}")
+        # Read as bytes so any epath filesystem works (SentencePiece only opens local files).
+        return cls(spm.SentencePieceProcessor(model_proto=file.read_bytes()), path)
+
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        model_path: str,
+        vocab_size: int,
+        *,
+        model_type: str = "unigram",
+        character_coverage: float = 1.0,
+        max_sentences: int = 2_000_000,
+        seed: int = 0,
+        byte_fallback: bool = False,
+        num_threads: int | None = None,
+    ) -> Tokenizer:
+        """Trains a SentencePiece model on ``texts`` and writes it to ``model_path``.
+
+        Args:
+          texts: training sentences (one string each); consumed once.
+          model_path: output file (local or ``gs://``); written atomically
+            (:func:`paths.write_atomic`) so a concurrent reader or a crash never sees half a
+            model.
+          vocab_size: requested vocabulary size including the 4 special pieces. It is a soft
+            limit (``hard_vocab_limit=False``): a corpus too small for it yields a smaller
+            vocabulary instead of an error, so always read :attr:`vocab_size` afterwards.
+          model_type: "unigram", "bpe" or "char".
+          character_coverage: share of characters covered by the vocabulary (1.0 keeps every
+            character; unseen ones map to UNK).
+          max_sentences: at most this many sentences are sampled for training.
+          seed: seed of SentencePiece's sentence sampling.
+          byte_fallback: decompose unknown characters into byte pieces instead of UNK
+            (adds 256 pieces, so it needs a large enough ``vocab_size``).
+          num_threads: trainer threads (default: all CPU cores).
+        """
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {MODEL_TYPES}; got {model_type!r}")
+        if vocab_size <= len(_SPECIAL_IDS):
+            raise ValueError(f"vocab_size must be > {len(_SPECIAL_IDS)}; got {vocab_size}")
+        # SentencePiece's sentence sampling uses a process-global generator.
+        spm.set_random_generator_seed(seed)
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=(t for t in texts if t and not t.isspace()),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            hard_vocab_limit=False,
+            # nmt_nfkc maps U+00A0 and other odd spaces to plain spaces, among others.
+            normalization_rule_name="nmt_nfkc",
+            byte_fallback=byte_fallback,
+            pad_id=PAD_ID,
+            eos_id=EOS_ID,
+            bos_id=BOS_ID,
+            unk_id=UNK_ID,
+            pad_piece=SPECIAL_PIECES[PAD_ID],
+            eos_piece=SPECIAL_PIECES[EOS_ID],
+            bos_piece=SPECIAL_PIECES[BOS_ID],
+            unk_piece=SPECIAL_PIECES[UNK_ID],
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
+        paths.write_atomic(model_path, model.getvalue())
+        return cls.load(model_path)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def path(self) -> str:
+        """File the model was loaded from."""
+        return self._path
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces, special ones included (may be below the requested size)."""
+        return self._sp.get_piece_size()
+
+    @property
+    def pad_id(self) -> int:
+        """Padding id (``special_ids.PAD_ID``: the SentencePiece model was trained with it)."""
+        return self._sp.pad_id()
+
+    @property
+    def eos_id(self) -> int:
+        """End-of-sequence id, appended to every sequence by the data pipeline."""
+        return self._sp.eos_id()
+
+    @property
+    def bos_id(self) -> int:
+        """The decoder-start id (the first decoder input)."""
+        return self._sp.bos_id()
+
+    @property
+    def unk_id(self) -> int:
+        """Id of pieces outside the vocabulary."""
+        return self._sp.unk_id()
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without BOS or EOS."""
+        return self._sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of several texts (SentencePiece encodes them on several threads)."""
+        return self._sp.encode(list(texts), out_type=int, num_threads=os.cpu_count() or 1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``: stops at the first EOS, skips PAD and BOS.
+
+        Ids outside the vocabulary (e.g. from an output layer padded to a round size)
+        decode as UNK rather than raising.
+        """
+        size = self.vocab_size
+        kept = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i in (self.pad_id, self.bos_id):
+                continue
+            kept.append(i if 0 <= i < size else self.unk_id)
+        return self._sp.decode(kept)
+
+    def decode_lines(self, ids: Iterable[int]) -> str:
+        """Text of a language-model stream where EOS separates lines (see
+        ``encoding.lm_token_stream``): every EOS becomes a newline instead of ending the text.
+        PAD and BOS are skipped.
+        """
+        lines: list[list[int]] = [[]]
+        for i in ids:
+            if int(i) == self.eos_id:
+                lines.append([])
+            else:
+                lines[-1].append(int(i))
+        return "\n".join(self.decode(line) for line in lines)
+
+    def id_to_piece(self, ids: Iterable[int]) -> list[str]:
+        """Piece strings of ``ids`` (e.g. attention-map axis labels); out of range -> UNK."""
+        size = self.vocab_size
+        unk = self.unk_id
+        return [self._sp.id_to_piece(int(i) if 0 <= int(i) < size else unk) for i in ids]
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={self._path!r}, vocab_size={self.vocab_size})"
+
+
+def load_or_train(
+    path: str,
+    texts_fn: Callable[[], Iterable[str]],
+    vocab_size: int,
+    **train_kwargs: Any,
+) -> Tokenizer:
+    """Loads the model at ``path`` if it exists, else trains it on ``texts_fn()``.
+
+    Reusing the file means a resumed run and inference see exactly the vocabulary the
+    checkpoint was trained with. ``texts_fn`` is a function so the corpus is only read
+    when training is needed.
+    """
+    if epath.Path(path).is_file():
+        return Tokenizer.load(path)
+    return Tokenizer.train(texts_fn(), path, vocab_size, **train_kwargs)

@@ -1,0 +1,413 @@
+"""A serving artifact through ``jax.export``: the whole batch translation as one StableHLO program.
+
+    python -m flaxformer_lite.inference.export --workdir runs/m30k --out serving/m30k --method beam
+    python -m flaxformer_lite.inference.export --workdir opus-mt-en-de/ --out serving/en-de \
+        --max-len 128
+
+``--workdir`` is a ``train.py`` workdir (``model_config.json``, checkpoints, SentencePiece
+vocabulary) or a Hugging Face Marian folder (``config.json``, ``model.safetensors``,
+``source.spm``, ``target.spm``, ``vocab.json``). Either way the artifact decodes as
+``Translator.from_pretrained(workdir).translate`` does: the same method, beam size, length
+penalty, search options (a fine-tuned run's Hugging Face rules, forced EOS and banned pad; a
+folder's generation config) and length limits (a workdir's per-row ``1.5 * source + 10``, a
+folder's ``max_length``). The output folder holds the serialized program (``translate.jax``),
+the parameters (``params.npz``, names = ``/``-joined paths), the vocabulary files,
+``manifest.json``, ``README.md`` and ``runtime.py`` (a copy of ``serving_runtime``), which
+loads it all without flaxformer_lite, flax or optax: the packages it needs are
+``serving_runtime.REQUIREMENTS`` (jax and what jax imports, sentencepiece, and flatbuffers,
+which jax.export's deserializer needs but jax does not install), pinned in the manifest's
+``requirements``.
+
+The program is ``generate_jit`` itself (encoder once, then the cached greedy or beam search of
+``decoding``) traced once with a symbolic batch size and source length
+(``jax.export.symbolic_shape("b, s", constraints=["s <= max_source_len"])``):
+``(params, source_ids int32 [b, s], row_max_len int32 [b]) -> (tokens int32 [b, max_len],
+scores float32 [b])``. Limits: ``max_len`` (the output width and the key/value cache), the
+method and its options are fixed at export; sampling is not exported (it needs a key
+argument); the program runs on the platforms it was lowered for (``--platforms``, default the
+exporting machine's) and on one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxformer_lite.core import paths, sharding
+from flaxformer_lite.decoding.generate import check_decode_len, generate_jit
+from flaxformer_lite.inference import serving_runtime
+from flaxformer_lite.inference.translator import Translator
+from flaxformer_lite.nn.config import TransformerConfig
+
+EXPORT_METHODS = ("beam", "greedy")
+FORMAT = "flaxformer_lite.inference.export/1"
+RUNTIME_FILE = "runtime.py"
+# Vocabulary kind -> {role: file name}; the same names in the workdir and in the artifact.
+SPM_SHARED = {"source": "spm_shared.model", "target": "spm_shared.model"}
+SPM_SEPARATE = {"source": "spm_src.model", "target": "spm_tgt.model"}
+MARIAN = {"source": "source.spm", "target": "target.spm", "vocab": "vocab.json"}
+
+
+def flatten_params(params: Any) -> dict[str, np.ndarray]:
+    """``{"a": {"b": x}}`` -> ``{"a/b": x}`` as NumPy arrays (``serving_runtime.unflatten``
+    inverts it)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    flat = {}
+    for path, leaf in leaves:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if any("/" in key for key in keys):
+            raise ValueError(f"parameter path {keys} has a '/' in a key: it would not unflatten")
+        flat["/".join(keys)] = np.asarray(leaf)
+    return flat
+
+
+def vocabulary_files(directory: str) -> tuple[str, dict[str, str]]:
+    """(kind, {role: file name}) of the vocabulary in ``directory``: "spm" for a ``train.py``
+    workdir's SentencePiece model(s), "marian" for a Hugging Face Marian folder (with
+    ``target_vocab`` when its ``tokenizer_config.json`` says ``separate_vocabs``).
+
+    Raises:
+      FileNotFoundError: none of the layouts is complete (the expected names are listed).
+    """
+    root = paths.resolve(directory)
+    for kind, files in (("spm", SPM_SHARED), ("spm", SPM_SEPARATE), ("marian", MARIAN)):
+        if all((root / name).is_file() for name in files.values()):
+            files = dict(files)
+            tokenizer_config = root / "tokenizer_config.json"
+            if kind == "marian" and tokenizer_config.is_file():
+                if json.loads(tokenizer_config.read_text()).get("separate_vocabs"):
+                    files["target_vocab"] = "target_vocab.json"  # the target side's ids
+            return kind, files
+    raise FileNotFoundError(
+        f"no exportable vocabulary in {directory}: expected spm_shared.model, spm_src.model + "
+        "spm_tgt.model (train.py workdir) or source.spm + target.spm + vocab.json (Marian)"
+    )
+
+
+def _one_device_mesh() -> jax.sharding.Mesh:
+    return sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+
+
+def export_function(
+    params: Any,
+    config: TransformerConfig,
+    *,
+    method: str = "beam",
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len: int | None = None,
+    platforms: Sequence[str] | None = None,
+    decoding: Mapping[str, Any] | None = None,
+) -> jax.export.Exported:
+    """``generate_jit`` for ``config`` exported with a symbolic batch and source length.
+
+    The result maps ``(params, source_ids int32 [b, s], row_max_len int32 [b])`` to
+    ``(tokens int32 [b, max_len], scores float32 [b])`` for any ``b >= 1`` and
+    ``1 <= s <= config.max_len``; ``params`` are only read for their shapes and dtypes.
+    ``decoding``: further static options of ``generate_jit`` (``beam_style``,
+    ``early_stopping``, ``forced_eos``, ``banned_ids``, ``renormalize``), e.g. a
+    ``Translator``'s ``search_options``; the beam-only ones are dropped for greedy.
+
+    Raises:
+      ValueError: ``method`` not one of ``EXPORT_METHODS``, a ``beam_size`` that is not a
+        positive int, or ``max_len`` out of ``[1, config.max_len]``.
+    """
+    if method not in EXPORT_METHODS:
+        raise ValueError(f"method must be one of {EXPORT_METHODS}; got {method!r}")
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive int; got {beam_size!r}")
+    max_len = check_decode_len(config, max_len)
+    decoding = dict(decoding or {})
+    if "banned_ids" in decoding:  # a static argument: hashable
+        decoding["banned_ids"] = tuple(int(i) for i in decoding["banned_ids"])
+    if method == "greedy":  # options the method ignores: fixed, as Translator fixes them
+        beam_size, alpha = 1, 0.0
+        for name in ("beam_style", "early_stopping", "renormalize"):
+            decoding.pop(name, None)
+    mesh = _one_device_mesh()
+
+    def translate(params, source_ids, row_max_len):
+        return generate_jit(
+            params,
+            config,
+            source_ids,
+            mesh=mesh,
+            method=method,
+            max_len=max_len,
+            beam_size=beam_size,
+            alpha=float(alpha),
+            row_max_len=row_max_len,
+            **decoding,
+        )
+
+    batch, source_len = jax.export.symbolic_shape("b, s", constraints=(f"s <= {config.max_len}",))
+    specs = (
+        jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
+        jax.ShapeDtypeStruct((batch, source_len), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+    return jax.export.export(jax.jit(translate), platforms=platforms)(*specs)
+
+
+def requirements() -> list[str]:
+    """``serving_runtime.REQUIREMENTS`` pinned to the versions installed here (pip names)."""
+    from importlib import metadata
+
+    return [f"{name}=={metadata.version(name)}" for name in serving_runtime.REQUIREMENTS]
+
+
+def _readme(manifest: Mapping[str, Any]) -> str:
+    return (
+        "# flaxformer_lite serving artifact\n\n"
+        f"Needs Python with: `pip install {' '.join(manifest['requirements'])}`\n"
+        "(no flaxformer_lite, flax or optax).\n\n"
+        "```python\nimport sys; sys.path.insert(0, ARTIFACT)\nimport runtime\n"
+        'model = runtime.load(ARTIFACT)\nmodel.translate(["A dog runs."])\n```\n\n'
+        f"Decoding: {manifest['method']}, beam size {manifest['beam_size']}, alpha "
+        f"{manifest['alpha']}, options {manifest['decoding']}, at most {manifest['max_len']} "
+        "tokens per row"
+        + (" (1.5 x source + 10 when less)" if manifest["per_row_limit"] else "")
+        + ". See manifest.json.\n"
+    )
+
+
+def _versions() -> dict[str, str]:
+    import flax
+    import jaxlib
+    import sentencepiece
+
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "numpy": np.__version__,
+        "sentencepiece": sentencepiece.__version__,
+    }
+
+
+def export_model(
+    params: Any,
+    config: TransformerConfig,
+    out_dir: str,
+    vocabulary_dir: str,
+    *,
+    method: str = "beam",
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len: int | None = None,
+    batch_size: int = 8,
+    platforms: Sequence[str] | None = None,
+    decoding: Mapping[str, Any] | None = None,
+    source: str = "",
+    per_row_limit: bool = True,
+) -> dict[str, Any]:
+    """Writes the serving artifact of an EncoderDecoder to the local folder ``out_dir``.
+
+    Args:
+      params: unboxed, unrolled parameters (``Translator.params`` or ``hf.load_pretrained``'s).
+      config: their TransformerConfig.
+      vocabulary_dir: where the vocabulary files are (see :func:`vocabulary_files`).
+      method, beam_size, alpha, max_len, platforms, decoding: as :func:`export_function`.
+      batch_size: the rows per call ``runtime.translate`` pads to (one compiled shape).
+      source: where the model came from, for the manifest.
+      per_row_limit: ``runtime.translate`` gives each row ``min(max_len, 1.5 * source +
+        10)`` tokens (a workdir's ``Translator``); False: ``max_len`` tokens for every row (a
+        Hugging Face folder's ``max_length``).
+
+    Returns:
+      the manifest (also written as ``manifest.json``).
+
+    Raises:
+      ValueError: see :func:`export_function`; ``batch_size`` not a positive int.
+      FileNotFoundError: no vocabulary in ``vocabulary_dir``.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    if not isinstance(per_row_limit, bool):
+        raise ValueError(f"per_row_limit must be True or False; got {per_row_limit!r}")
+    kind, files = vocabulary_files(vocabulary_dir)
+    params = jax.tree_util.tree_map(np.asarray, params)
+    exported = export_function(
+        params,
+        config,
+        method=method,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_len=max_len,
+        platforms=platforms,
+        decoding=decoding,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / serving_runtime.EXPORTED).write_bytes(exported.serialize())
+    np.savez(out / serving_runtime.PARAMS, **flatten_params(params))
+    vocab_root = paths.resolve(vocabulary_dir)
+    for name in set(files.values()):
+        (out / name).write_bytes((vocab_root / name).read_bytes())
+    shutil.copyfile(serving_runtime.__file__, out / RUNTIME_FILE)
+    manifest = {
+        "format": FORMAT,
+        "source": source,
+        "method": method,
+        "beam_size": beam_size if method == "beam" else 1,
+        "alpha": float(alpha) if method == "beam" else 0.0,
+        "decoding": {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in (decoding or {}).items()
+            if method == "beam" or k not in ("beam_style", "early_stopping", "renormalize")
+        },
+        "max_len": check_decode_len(config, max_len),
+        "per_row_limit": per_row_limit,
+        "max_source_len": config.max_len,
+        "batch_size": batch_size,
+        "ids": {
+            "pad": config.pad_id,
+            "eos": config.eos_id,
+            "unk": config.unk_id,
+            "decoder_start": config.bos_id,
+        },
+        "vocabulary": kind,
+        "vocabulary_files": files,
+        "platforms": list(exported.platforms),
+        "signature": (
+            "(params, source_ids int32 [b, s], row_max_len int32 [b]) -> "
+            "(tokens int32 [b, max_len], scores float32 [b]); 1 <= s <= max_source_len"
+        ),
+        "calling_convention_version": exported.calling_convention_version,
+        "versions": _versions(),
+        "requirements": requirements(),
+    }
+    (out / serving_runtime.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / "README.md").write_text(_readme(manifest))
+    return manifest
+
+
+def export_translator(
+    translator: Translator, out_dir: str, vocabulary_dir: str, **options: Any
+) -> dict[str, Any]:
+    """:func:`export_model` of a ``Translator``'s parameters and config, decoding as its
+    ``translate`` does by default: ``method``, ``beam_size``, ``alpha``, ``decoding`` (its
+    ``search_options``), ``max_len`` and ``per_row_limit`` (whether it has no ``max_len`` of
+    its own) default to the translator's. ``vocabulary_dir``: the folder of its vocabulary
+    files (its workdir or Hugging Face folder)."""
+    options.setdefault("method", translator.method)
+    options.setdefault("beam_size", translator.beam_size)
+    options.setdefault("alpha", translator.alpha)
+    options.setdefault("decoding", translator.search_options)
+    if translator.max_len is not None:
+        options.setdefault("max_len", translator.max_len)
+    options.setdefault("per_row_limit", translator.max_len is None)
+    options.setdefault("source", translator.name)
+    params = jax.device_get(translator.params)
+    return export_model(params, translator.config, out_dir, vocabulary_dir, **options)
+
+
+def _is_hf_dir(root: Any) -> bool:
+    return (root / "config.json").is_file() and not (root / "model_config.json").is_file()
+
+
+def export_workdir(workdir: str, out_dir: str, **options: Any) -> dict[str, Any]:
+    """:func:`export_translator` of ``Translator.from_pretrained(workdir)``: a ``train.py``
+    workdir (latest checkpoint, decoding as its Translator: the run's beam size, alpha and
+    search options) or a Hugging Face Marian folder (decoding as ``MarianMTModel.generate``
+    with the folder's generation config); explicit ``options`` win.
+
+    Raises:
+      FileNotFoundError: ``workdir`` does not exist, or lacks the model, weights or
+        vocabulary files (named).
+      ValueError: a bad option (see :func:`export_model`), or a model that is not Marian.
+    """
+    root = paths.resolve(workdir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"workdir {workdir} does not exist; give a train.py workdir or a Hugging Face "
+            "Marian folder"
+        )
+    vocabulary_files(workdir)  # before the weights are read
+    if _is_hf_dir(root):
+        options.setdefault("source", str(root))
+    translator = Translator.from_pretrained(workdir)
+    return export_translator(translator, out_dir, workdir, **options)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m flaxformer_lite.inference.export",
+        description="Export a translation model as a jax.export serving artifact.",
+    )
+    parser.add_argument(
+        "--workdir", required=True, help="train.py workdir or Hugging Face Marian folder"
+    )
+    parser.add_argument("--out", required=True, help="output folder (local)")
+    parser.add_argument(
+        "--method",
+        choices=EXPORT_METHODS,
+        default=None,
+        help="default: the model's (its Translator's: beam for a workdir; a Hugging Face "
+        "folder's generate: greedy unless num_beams > 1)",
+    )
+    parser.add_argument(
+        "--beam-size", type=int, default=None, help="beams (default: the model's, else 4)"
+    )
+    parser.add_argument("--alpha", type=float, default=None, help="GNMT length penalty")
+    parser.add_argument(
+        "--max-len", type=int, default=None, help="output tokens (default: the model's max_len)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="rows per call of runtime.translate"
+    )
+    parser.add_argument(
+        "--platforms",
+        default=None,
+        help="comma-separated jax platforms to lower for, e.g. cpu,cuda (default: this one)",
+    )
+    args = parser.parse_args(argv)
+    for flag, value in (
+        ("--beam-size", args.beam_size),
+        ("--max-len", args.max_len),
+        ("--batch-size", args.batch_size),
+    ):
+        if value is not None and value < 1:
+            parser.error(f"argument {flag}: must be an int >= 1; got {value}")
+    if Path(args.out).is_file():
+        parser.error(f"argument --out: {args.out} is a file; give a folder")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    options: dict[str, Any] = dict(batch_size=args.batch_size)
+    options.update(
+        {
+            k: v
+            for k, v in dict(
+                method=args.method,
+                beam_size=args.beam_size,
+                alpha=args.alpha,
+                max_len=args.max_len,
+            ).items()
+            if v is not None
+        }
+    )
+    if args.platforms:
+        options["platforms"] = [p.strip() for p in args.platforms.split(",") if p.strip()]
+    try:
+        manifest = export_workdir(args.workdir, args.out, **options)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {manifest['method']} translation of {args.workdir} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

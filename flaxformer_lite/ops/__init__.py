@@ -1,0 +1,7 @@
+"""Pure JAX functions: no Flax state, safe under ``jit``, ``vmap`` and ``grad``.
+
+``attention`` (dot-product attention and its kernel switch), ``blockwise`` (the memory-efficient
+kernel), ``shapes`` (the operand checks every kernel shares), ``masks``, ``positions``
+(sinusoidal, rotary, relative buckets), ``activations``, ``quantize`` (int8 weights and matmul),
+``beam_cache`` (attention over a beam cache that never moves).
+"""

@@ -1,0 +1,125 @@
+"""Learning-rate schedules, the optimizer, and frozen parameters, built from Optax parts."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from flaxformer_lite.models import param_path
+
+SCHEDULES = ("noam", "cosine", "constant")
+OPTIMIZERS = ("adam", "adamw")
+
+
+def noam_schedule(d_model: int, warmup_steps: int = 4000, scale: float = 1.0) -> optax.Schedule:
+    """The paper's schedule, lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+
+    ``step`` counts optimizer updates from 1 (optax passes count 0 for the first update).
+    """
+    if warmup_steps <= 0:
+        raise ValueError(f"warmup_steps must be positive; got {warmup_steps}")
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32) + 1.0
+        return scale * d_model**-0.5 * jnp.minimum(step**-0.5, step * warmup_steps**-1.5)
+
+    return schedule
+
+
+def make_schedule(
+    name: str,
+    *,
+    learning_rate: float,
+    warmup_steps: int,
+    total_steps: int,
+    d_model: int,
+) -> optax.Schedule:
+    """ "noam" (learning_rate is the multiplier of the paper's formula), "cosine" (linear warmup
+    to learning_rate, cosine decay to 0 at total_steps) or "constant" (linear warmup)."""
+    if name == "noam":
+        return noam_schedule(d_model, warmup_steps, learning_rate)
+    if name == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1)
+        )
+    if name == "constant":
+        return optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                optax.constant_schedule(learning_rate),
+            ],
+            [warmup_steps],
+        )
+    raise ValueError(f"schedule must be one of {SCHEDULES}; got {name!r}")
+
+
+def make_optimizer(
+    name: str,
+    schedule: optax.Schedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.98,
+    eps: float = 1e-9,
+    weight_decay: float = 0.0,
+    grad_clip_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """Adam with the paper's betas and epsilon (or AdamW), after optional global-norm clipping."""
+    if name == "adam":
+        opt: Any = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
+    elif name == "adamw":
+        opt = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {name!r}")
+    if grad_clip_norm:
+        opt = optax.chain(optax.clip_by_global_norm(grad_clip_norm), opt)
+    return opt
+
+
+# ----------------------------------------------------------------------------- freezing
+
+
+def freeze_labels(params: Any, patterns: Sequence[str]) -> Any:
+    """The tree of ``params`` with ``"freeze"`` where a parameter's path fully matches one of
+    the regular expressions ``patterns``, else ``"train"``.
+
+    Raises:
+      ValueError: a pattern matches no parameter (it is named, with some of the paths).
+    """
+    compiled = [(p, re.compile(p)) for p in patterns]
+    used: set[str] = set()
+
+    def label(path, _):
+        name = param_path(path)
+        for pattern, regex in compiled:
+            if regex.fullmatch(name):
+                used.add(pattern)
+                return "freeze"
+        return "train"
+
+    labels = jax.tree_util.tree_map_with_path(label, params)
+    unused = [p for p, _ in compiled if p not in used]
+    if unused:
+        names = [param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+        raise ValueError(
+            f"config.freeze pattern(s) {unused} match no parameter; patterns are regular "
+            f"expressions over '/'-joined paths such as {names[:6]} (of {len(names)})"
+        )
+    return labels
+
+
+def with_frozen(tx: optax.GradientTransformation, patterns: Sequence[str]):
+    """``tx`` for the parameters ``patterns`` (see ``freeze_labels``) leave alone; the frozen
+    ones get zero updates through ``optax.multi_transform`` and no optimizer state (their
+    gradients never reach ``tx``, so clipping and Adam see the trained parameters only).
+    No patterns: ``tx`` itself."""
+    if not patterns:
+        return tx
+    return optax.multi_transform(
+        {"train": tx, "freeze": optax.set_to_zero()},
+        lambda params: freeze_labels(params, patterns),
+    )
