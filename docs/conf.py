@@ -28,7 +28,7 @@ exclude_patterns = ["_build"]
 # GitHub-style anchors (`training.md#preemption`), so that links work on GitHub and here alike.
 myst_heading_anchors = 3
 
-autodoc_default_options = {"members": True, "member-order": "bysource"}
+autodoc_default_options = {"member-order": "bysource"}
 autodoc_typehints = "signature"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
