@@ -76,3 +76,50 @@ def test_invalid_config_names_the_field(kwargs, field):
 def test_error_lists_valid_choices():
     with pytest.raises(ValueError, match="relu"):
         TransformerConfig(activation="tanh")
+
+
+# One bad value per validation group of TransformerConfig.__post_init__, with its message word
+# for word: each group is reached and reports its own field.
+CHECK_GROUPS = {
+    "sizes": (
+        dict(num_kv_heads=3),
+        "TransformerConfig.num_heads (8) must be a multiple of num_kv_heads (3)",
+    ),
+    "flags_and_rates": (dict(remat="yes"), "TransformerConfig.remat must be a bool; got 'yes'"),
+    "choices": (
+        dict(sinusoid_layout="mixed"),
+        "TransformerConfig.sinusoid_layout must be one of ('interleaved', 'halves'); got 'mixed'",
+    ),
+    "vocabulary": (
+        dict(target_vocab_size=10),
+        "TransformerConfig.share_embeddings=True needs target_vocab_size equal to vocab_size "
+        "(or None); got 10 vs 37000",
+    ),
+    "special_ids": (dict(eos_id=1.0), "TransformerConfig.eos_id must be an integer; got 1.0"),
+    "kernels": (
+        dict(quantization="int8", scan_layers=True),
+        "TransformerConfig.quantization='int8' needs scan_layers=False: int8 parameters come "
+        "from quantize.quantize_params, which takes unrolled layers (models.unrolled; generate "
+        "and the Translator unroll a scanned model)",
+    ),
+    "moe": (
+        dict(num_experts=2, num_experts_per_token=3),
+        "TransformerConfig.num_experts_per_token must be in [1, num_experts=2]; got 3",
+    ),
+    "positions": (
+        dict(attention_window=0),
+        "TransformerConfig.attention_window must be None or a positive integer; got 0",
+    ),
+    "positions_relative": (
+        dict(relative_num_buckets=5),
+        "TransformerConfig.relative_num_buckets must be even and >= 4; got 5",
+    ),
+}
+
+
+@pytest.mark.parametrize("group", list(CHECK_GROUPS))
+def test_each_check_group_reports_its_own_field(group):
+    kwargs, message = CHECK_GROUPS[group]
+    with pytest.raises(ValueError) as error:
+        TransformerConfig(**kwargs)
+    assert str(error.value) == message

@@ -181,6 +181,22 @@ class TransformerConfig:
     quantization: str | None = None
 
     def __post_init__(self) -> None:
+        # Grouped by concern, each group checking its fields' types before their values; a
+        # group may rely on the groups before it (sizes are positive integers by the time the
+        # vocabulary, special ids and positions are checked against them). A config with one
+        # bad value gets that value's message; with several, the first group's.
+        self._check_sizes()
+        self._check_flags_and_rates()
+        self._check_choices()
+        self._check_vocabulary()
+        self._check_special_ids()
+        self._check_kernels()
+        self._check_moe()
+        self._check_positions()
+
+    def _check_sizes(self) -> None:
+        """Vocabulary, width, head, depth and length sizes: positive integers; d_model splits
+        into num_heads heads unless head_dim is set; num_heads is a multiple of the kv heads."""
         positive = (
             "vocab_size d_model num_heads d_ff max_len num_classes"
             " num_encoder_layers num_decoder_layers"
@@ -209,6 +225,10 @@ class TransformerConfig:
                 f"TransformerConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+
+    def _check_flags_and_rates(self) -> None:
+        """The on/off switches are bools; dropout rates are numbers in [0, 1); the norm epsilon
+        a number > 0."""
         bools = (
             "share_embeddings tie_output_embedding logits_bias scale_embeddings use_bias remat"
             " scan_layers fused_qkv"
@@ -225,14 +245,13 @@ class TransformerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1); got {value!r}")
-        for name in ("pad_id", "bos_id", "eos_id", "unk_id"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"TransformerConfig.{name} must be an integer; got {value!r}")
         if self.layer_norm_epsilon <= 0:
             raise ValueError(
                 f"TransformerConfig.layer_norm_epsilon must be > 0; got {self.layer_norm_epsilon}"
             )
+
+    def _check_choices(self) -> None:
+        """Every string option is one of its listed values."""
         choices = {
             "activation": ACTIVATIONS,
             "norm_position": NORM_POSITIONS,
@@ -251,28 +270,21 @@ class TransformerConfig:
                 raise ValueError(
                     f"TransformerConfig.{name} must be one of {valid}; got {getattr(self, name)!r}"
                 )
-        if self.attention_implementation != "xla" and self.attention_dropout_rate > 0:
-            raise ValueError(
-                f"TransformerConfig.attention_dropout_rate must be 0 with "
-                f"attention_implementation={self.attention_implementation!r} (only 'xla' "
-                f"implements attention dropout); got {self.attention_dropout_rate}"
-            )
-        if self.position == "sinusoidal" and self.d_model % 2:
-            raise ValueError(
-                f"TransformerConfig.d_model must be even for sinusoidal positions; "
-                f"got {self.d_model}"
-            )
-        if self.position == "rotary" and self.effective_head_dim % 2:
-            raise ValueError(
-                "TransformerConfig.head_dim must be even for rotary positions (channel pairs "
-                f"are rotated); got head_dim={self.head_dim}, effective width "
-                f"{self.effective_head_dim} (d_model / num_heads when head_dim is None)"
-            )
+
+    def _check_vocabulary(self) -> None:
+        """One shared embedding table needs one vocabulary size on both sides."""
         if self.share_embeddings and self.output_vocab_size != self.vocab_size:
             raise ValueError(
                 "TransformerConfig.share_embeddings=True needs target_vocab_size equal to "
                 f"vocab_size (or None); got {self.target_vocab_size} vs {self.vocab_size}"
             )
+
+    def _check_special_ids(self) -> None:
+        """pad_id, bos_id, eos_id and unk_id are integers inside both vocabularies."""
+        for name in ("pad_id", "bos_id", "eos_id", "unk_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"TransformerConfig.{name} must be an integer; got {value!r}")
         for name in ("pad_id", "bos_id", "eos_id", "unk_id"):
             value = getattr(self, name)
             if not 0 <= value < min(self.vocab_size, self.output_vocab_size):
@@ -281,42 +293,25 @@ class TransformerConfig:
                     f"with vocab_size={self.vocab_size}"
                 )
 
+    def _check_kernels(self) -> None:
+        """Combinations the compute paths do not implement: attention dropout outside the
+        'xla' attention, int8 quantization of scanned layers."""
+        if self.attention_implementation != "xla" and self.attention_dropout_rate > 0:
+            raise ValueError(
+                f"TransformerConfig.attention_dropout_rate must be 0 with "
+                f"attention_implementation={self.attention_implementation!r} (only 'xla' "
+                f"implements attention dropout); got {self.attention_dropout_rate}"
+            )
         if self.quantization is not None and self.scan_layers:
             raise ValueError(
                 f"TransformerConfig.quantization={self.quantization!r} needs scan_layers=False: "
                 "int8 parameters come from quantize.quantize_params, which takes unrolled "
                 "layers (models.unrolled; generate and the Translator unroll a scanned model)"
             )
-        self._check_moe()
-        window = self.attention_window
-        if window is not None and (
-            not isinstance(window, int) or isinstance(window, bool) or window < 1
-        ):
-            raise ValueError(
-                f"TransformerConfig.attention_window must be None or a positive integer; got "
-                f"{window!r}"
-            )
-        self._check_relative()
-
-    def _check_relative(self) -> None:
-        for name in ("relative_num_buckets", "relative_max_distance"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"TransformerConfig.{name} must be a positive integer; got {value!r}"
-                )
-        if self.relative_num_buckets < 4 or self.relative_num_buckets % 2:
-            raise ValueError(
-                "TransformerConfig.relative_num_buckets must be even and >= 4; got "
-                f"{self.relative_num_buckets}"
-            )
-        if self.relative_max_distance <= self.relative_num_buckets // 2:
-            raise ValueError(
-                "TransformerConfig.relative_max_distance must exceed relative_num_buckets // 2 "
-                f"= {self.relative_num_buckets // 2}; got {self.relative_max_distance}"
-            )
 
     def _check_moe(self) -> None:
+        """Mixture of experts: counts, loss weights, capacity, top-k within the experts, and
+        one layer kind for a scanned stack."""
         for name in ("num_experts", "num_experts_per_token", "moe_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -345,6 +340,50 @@ class TransformerConfig:
             raise ValueError(
                 "TransformerConfig.moe_every must be 1 with scan_layers=True (one scanned "
                 f"layer body serves every layer); got {self.moe_every}"
+            )
+
+    def _check_positions(self) -> None:
+        """What the position encoding needs: even widths for sinusoids (d_model) and rotary
+        (head_dim); a positive attention window; the relative buckets (checked whatever the
+        position kind, so a config stays valid when only ``position`` changes)."""
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ValueError(
+                f"TransformerConfig.d_model must be even for sinusoidal positions; "
+                f"got {self.d_model}"
+            )
+        if self.position == "rotary" and self.effective_head_dim % 2:
+            raise ValueError(
+                "TransformerConfig.head_dim must be even for rotary positions (channel pairs "
+                f"are rotated); got head_dim={self.head_dim}, effective width "
+                f"{self.effective_head_dim} (d_model / num_heads when head_dim is None)"
+            )
+        window = self.attention_window
+        if window is not None and (
+            not isinstance(window, int) or isinstance(window, bool) or window < 1
+        ):
+            raise ValueError(
+                f"TransformerConfig.attention_window must be None or a positive integer; got "
+                f"{window!r}"
+            )
+        self._check_relative()
+
+    def _check_relative(self) -> None:
+        """T5 relative-position buckets: an even count >= 4, and a max distance past half."""
+        for name in ("relative_num_buckets", "relative_max_distance"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"TransformerConfig.{name} must be a positive integer; got {value!r}"
+                )
+        if self.relative_num_buckets < 4 or self.relative_num_buckets % 2:
+            raise ValueError(
+                "TransformerConfig.relative_num_buckets must be even and >= 4; got "
+                f"{self.relative_num_buckets}"
+            )
+        if self.relative_max_distance <= self.relative_num_buckets // 2:
+            raise ValueError(
+                "TransformerConfig.relative_max_distance must exceed relative_num_buckets // 2 "
+                f"= {self.relative_num_buckets // 2}; got {self.relative_max_distance}"
             )
 
     def self_attention_window(self, stack: str) -> int | None:

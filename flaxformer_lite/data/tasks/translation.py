@@ -15,7 +15,7 @@ import json
 import os
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from etils import epath
@@ -110,48 +110,88 @@ def pretrained_vocabulary(source: str, workdir: str) -> tuple[Any, Any, list[str
     return tokenizer.source, tokenizer.target, files
 
 
-def build_translation_data(
-    config: Any,
-    workdir: str,
-    *,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> TranslationData:
-    """Loads, tokenizes and batches a translation corpus as described by ``config``.
+@dataclasses.dataclass(frozen=True)
+class _TrainingSplit:
+    """The training split ``config`` names, read lazily and as often as a step needs it: to
+    train the vocabulary, to fill the token cache, or not at all when both exist."""
 
-    ``config`` needs the attributes: dataset, dataset_config, data_dir, data_format,
-    source_lang, target_lang, train_split, eval_split, vocab_size, shared_vocab,
-    spm_model_type, max_len, too_long, tokens_per_batch, batch_size_multiple, packing,
-    seed (optional: source_column, target_column, streaming).
+    config: Any
+    source: dict[str, Any]  # iter_pairs' keyword arguments that locate the corpus
+    streaming: bool
 
-    Several hosts: JAX process 0 does the one-off work and the others wait for it
-    (:func:`main_process_first`). It trains the SentencePiece models on the training split
-    when the workdir has none (``spm_shared.model``, or ``spm_src.model`` and
-    ``spm_tgt.model``), then tokenizes the training split once into a token cache,
-    ``{workdir}/data_cache/{split}-{hash}/`` (:func:`save_token_cache`; the hash covers the
-    data source, ``max_len``, ``too_long`` and the vocabulary bytes). Every process then
-    loads the vocabulary and memory-maps the cache; a resumed run reads neither the corpus
-    nor the tokenizer again. Each process plans every batch from the examples' lengths (a few
-    bytes each) and reads the tokens of its own rows only. ``streaming=True`` reads the
-    corpus through ``datasets`` streaming (see :func:`iter_pairs`); process 0 then reads it
-    twice when it has to train the vocabulary (once for that, once to tokenize).
+    def pairs(self, stats: DataStats | None = None) -> Iterator[tuple[str, str]]:
+        return iter_pairs(
+            split=self.config.train_split, streaming=self.streaming, stats=stats, **self.source
+        )
 
-    Eval pairs are read first and encoded by every process (an eval split is small); they are
-    always truncated, never dropped, so the eval set is complete.
+    def empty_error(self, stats: DataStats) -> DataError:
+        return DataError(
+            "empty training split: "
+            f"{describe_pairs_source(split=self.config.train_split, **self.source)}"
+            f" has no pair with both sides non-empty ({stats.summary()}); config.train_split "
+            f"({_location_fields(self.config)}) must name a split with at least one pair"
+        )
 
-    Raises:
-      DataError: before anything is written to the workdir, when the eval split, or the
-        training split the vocabulary or the token cache would be built from, has no pair
-        with both sides non-empty, or when ``too_long="drop"`` drops every training pair.
-    """
-    import jax
+    def texts(self, sides: slice) -> Iterator[str]:
+        """The training split's sentences for the vocabulary, ``pair[sides]`` of each pair;
+        an empty split raises here, before SentencePiece runs or any file is written."""
+        stats = DataStats()
+        pairs = self.pairs(stats)
+        first = next(pairs, None)
+        if first is None:
+            raise self.empty_error(stats)
+        return (text for pair in itertools.chain([first], pairs) for text in pair[sides])
 
+
+class _Splits(NamedTuple):
+    """What reading gives: the eval split in memory (with its counts), the training split as a
+    reader."""
+
+    eval_pairs: list[tuple[str, str]]
+    eval_stats: DataStats
+    train: _TrainingSplit
+
+
+class _Vocabulary(NamedTuple):
+    src_tokenizer: Tokenizer
+    tgt_tokenizer: Tokenizer
+    paths: list[str]  # the files the token cache's key hashes
+    pad_id: int
+
+
+class _Encoded(NamedTuple):
+    train_examples: EncodedPairs  # memory-mapped from the token cache
+    stats: DataStats  # of the training split, as counted when the cache was built
+    eval_examples: EncodedPairs
+    cache_dir: str
+
+
+class _Batches(NamedTuple):
+    train: BatchStream
+    eval_batches: list[Batch]
+    padding_fraction: float  # share of PAD target positions in the epoch-0 training batches
+    boundaries: list[int]
+
+
+def _check_batching(config: Any, process_count: int) -> None:
+    """The options checked before any reading: rows split evenly over the hosts, a known
+    ``too_long``."""
     if config.batch_size_multiple % process_count:
         raise ValueError(
             f"batch_size_multiple ({config.batch_size_multiple}) must be a multiple of "
             f"process_count ({process_count}) so every host gets the same number of rows"
         )
     check_too_long(config.too_long)
+
+
+def _read_splits(config: Any) -> _Splits:
+    """Step 1, reading: the eval split into memory (every process; it is small) and a reader of
+    the training split.
+
+    Raises:
+      DataError: the eval split has no pair with both sides non-empty. Raised before anything
+        is written to the workdir.
+    """
     source = {
         "dataset": config.dataset,
         "dataset_config": config.dataset_config,
@@ -176,27 +216,18 @@ def build_translation_data(
             f"no pair with both sides non-empty ({eval_stats.summary()}); config.eval_split "
             f"({_location_fields(config)}) must name a split with at least one pair"
         )
+    return _Splits(eval_pairs, eval_stats, _TrainingSplit(config, source, streaming))
 
-    def train_pairs(stats: DataStats | None = None) -> Iterator[tuple[str, str]]:
-        return iter_pairs(split=config.train_split, streaming=streaming, stats=stats, **source)
 
-    def empty_train_split(stats: DataStats) -> DataError:
-        return DataError(
-            f"empty training split: {describe_pairs_source(split=config.train_split, **source)}"
-            f" has no pair with both sides non-empty ({stats.summary()}); config.train_split "
-            f"({_location_fields(config)}) must name a split with at least one pair"
-        )
+def _build_vocabulary(config: Any, workdir: str, train: _TrainingSplit) -> _Vocabulary:
+    """Step 2, vocabulary: a pretrained model's Marian tokenizer (``config.tokenizer``) or the
+    SentencePiece model(s) in the workdir, trained on ``train`` by process 0 when missing and
+    loaded by every process (:func:`main_process_first`).
 
-    def train_texts(sides: slice) -> Iterator[str]:
-        """The training split's sentences for the vocabulary, ``pair[sides]`` of each pair;
-        an empty split raises here, before SentencePiece runs or any file is written."""
-        stats = DataStats()
-        pairs = train_pairs(stats)
-        first = next(pairs, None)
-        if first is None:
-            raise empty_train_split(stats)
-        return (text for pair in itertools.chain([first], pairs) for text in pair[sides])
-
+    Raises:
+      DataError: the training split is empty (before SentencePiece runs).
+      ValueError: the source and target vocabularies disagree on a special id.
+    """
     paths.makedirs(workdir)
     if getattr(config, "tokenizer", None):  # a pretrained model's Marian tokenizer
         src_tokenizer, tgt_tokenizer, vocab_paths = pretrained_vocabulary(config.tokenizer, workdir)
@@ -205,23 +236,50 @@ def build_translation_data(
         vocab_paths = [os.path.join(workdir, name) for name in names]
         sides = [slice(0, 2)] if config.shared_vocab else [slice(0, 1), slice(1, 2)]
         tokenizers = [
-            vocabulary(path, functools.partial(train_texts, side), config)
+            vocabulary(path, functools.partial(train.texts, side), config)
             for path, side in zip(vocab_paths, sides, strict=True)
         ]
         src_tokenizer, tgt_tokenizer = tokenizers[0], tokenizers[-1]
     pad_id = vocabulary_ids(src_tokenizer, tgt_tokenizer)["pad_id"]
+    return _Vocabulary(src_tokenizer, tgt_tokenizer, vocab_paths, pad_id)
 
-    max_len = config.max_len
+
+def _token_cache_dir(
+    config: Any, workdir: str, train: _TrainingSplit, vocab: _Vocabulary
+) -> tuple[str, dict[str, Any]]:
+    """The training split's token cache folder and the key it is valid for: a hash of the data
+    source, ``max_len``, ``too_long`` and the vocabulary files' bytes (any change: a new
+    cache)."""
     key = {
         "format": _CACHE_FORMAT,
-        "source": source,
+        "source": train.source,
         "split": config.train_split,
-        "max_len": max_len,
+        "max_len": config.max_len,
         "too_long": config.too_long,
-        "vocabulary": [_file_digest(path) for path in vocab_paths],
+        "vocabulary": [_file_digest(path) for path in vocab.paths],
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = os.path.join(workdir, CACHE_DIR, f"{config.train_split}-{digest}")
+    return os.path.join(workdir, CACHE_DIR, f"{config.train_split}-{digest}"), key
+
+
+def _encode_training_split(
+    config: Any, workdir: str, train: _TrainingSplit, vocab: _Vocabulary
+) -> tuple[EncodedPairs, DataStats, str]:
+    """The training split's tokens: process 0 encodes the split into the token cache unless a
+    complete one exists; every process then memory-maps it (:func:`main_process_first`).
+
+    Returns (examples, the split's counts, cache folder).
+
+    Raises:
+      DataError: before the cache is written, when the split is empty or ``too_long="drop"``
+        drops every pair.
+      FileNotFoundError: on a process other than 0 that finds no complete cache after
+        process 0 built it (a workdir not shared by every host).
+    """
+    import jax
+
+    max_len = config.max_len
+    cache_dir, key = _token_cache_dir(config, workdir, train, vocab)
 
     def token_cache(writer: bool) -> tuple[EncodedPairs, dict]:
         loaded = load_token_cache(cache_dir, key)
@@ -234,19 +292,19 @@ def build_translation_data(
             )
         stats = DataStats()
         encoded = encode_pairs_to_arrays(
-            train_pairs(stats),
-            src_tokenizer,
-            tgt_tokenizer,
+            train.pairs(stats),
+            vocab.src_tokenizer,
+            vocab.tgt_tokenizer,
             max_len=max_len,
             too_long=config.too_long,
             stats=stats,
         )
         if not len(encoded):  # checked before the cache is written: no empty cache is left
             if stats.num_read == stats.num_empty_dropped:
-                raise empty_train_split(stats)
+                raise train.empty_error(stats)
             raise DataError(
                 f"no training examples left in "
-                f"{describe_pairs_source(split=config.train_split, **source)}: "
+                f"{describe_pairs_source(split=config.train_split, **train.source)}: "
                 f"{stats.summary()}; raise config.max_len={max_len} or set "
                 f"config.too_long='truncate'"
             )
@@ -254,22 +312,39 @@ def build_translation_data(
         return load_token_cache(cache_dir, key)
 
     train_examples, meta = main_process_first(token_cache, "token cache")
-    stats = DataStats(**meta["stats"])
+    return train_examples, DataStats(**meta["stats"]), cache_dir
 
+
+def _encode_splits(config: Any, workdir: str, splits: _Splits, vocab: _Vocabulary) -> _Encoded:
+    """Step 3, encoding: the training split through the token cache, then the eval pairs by
+    every process, truncated and never dropped (the eval set stays complete); their counts add
+    to ``splits.eval_stats``."""
+    train_examples, stats, cache_dir = _encode_training_split(config, workdir, splits.train, vocab)
     eval_examples = encode_pairs(
-        eval_pairs,
-        src_tokenizer,
-        tgt_tokenizer,
-        max_len=max_len,
+        splits.eval_pairs,
+        vocab.src_tokenizer,
+        vocab.tgt_tokenizer,
+        max_len=config.max_len,
         too_long="truncate",
-        stats=eval_stats,
+        stats=splits.eval_stats,
     )
+    return _Encoded(train_examples, stats, eval_examples, cache_dir)
+
+
+def _batch(
+    config: Any, encoded: _Encoded, pad_id: int, *, process_index: int, process_count: int
+) -> _Batches:
+    """Step 4, batching: the training stream (packed rows of ``max_len``, or length buckets
+    of about ``tokens_per_batch`` tokens; every process plans every batch from the lengths and
+    reads its own rows) and the eval batches (bucketed, not shuffled, with an ``index`` key)."""
+    max_len = config.max_len
     boundaries = bucket_boundaries(max_len)
     tokens_per_batch, multiple, seed = (
         config.tokens_per_batch,
         config.batch_size_multiple,
         config.seed,
     )
+    train_examples = encoded.train_examples
     in_len, tgt_len = train_examples.input_lengths, train_examples.target_lengths
     if config.packing:
         rows = rows_for_length(max_len, tokens_per_batch, multiple)
@@ -308,7 +383,7 @@ def build_translation_data(
     positions = sum(plan.rows * plan.length for plan in plans)
     real = sum(plan.target_tokens(tgt_len) for plan in plans)
     eval_batches = batch_by_tokens(
-        eval_examples,
+        encoded.eval_examples,
         tokens_per_batch=tokens_per_batch,
         boundaries=boundaries,
         pad_id=pad_id,
@@ -316,17 +391,70 @@ def build_translation_data(
         shuffle=False,
         with_index=True,
     )
-    return TranslationData(
+    return _Batches(
         train=train,
         eval_batches=eval_batches,
-        eval_pairs=eval_pairs,
-        src_tokenizer=src_tokenizer,
-        tgt_tokenizer=tgt_tokenizer,
-        stats=stats,
         padding_fraction=1.0 - real / positions,
-        eval_stats=eval_stats,
         boundaries=list(boundaries) if not config.packing else [max_len],
-        cache_dir=cache_dir,
+    )
+
+
+def build_translation_data(
+    config: Any,
+    workdir: str,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> TranslationData:
+    """Loads, tokenizes and batches a translation corpus as described by ``config``.
+
+    Four steps, after the batching options are checked: reading (:func:`_read_splits`),
+    vocabulary (:func:`_build_vocabulary`), encoding (:func:`_encode_splits`, through the token
+    cache) and batching (:func:`_batch`).
+
+    ``config`` needs the attributes: dataset, dataset_config, data_dir, data_format,
+    source_lang, target_lang, train_split, eval_split, vocab_size, shared_vocab,
+    spm_model_type, max_len, too_long, tokens_per_batch, batch_size_multiple, packing,
+    seed (optional: source_column, target_column, streaming).
+
+    Several hosts: JAX process 0 does the one-off work and the others wait for it
+    (:func:`main_process_first`). It trains the SentencePiece models on the training split
+    when the workdir has none (``spm_shared.model``, or ``spm_src.model`` and
+    ``spm_tgt.model``), then tokenizes the training split once into a token cache,
+    ``{workdir}/data_cache/{split}-{hash}/`` (:func:`save_token_cache`; the hash covers the
+    data source, ``max_len``, ``too_long`` and the vocabulary bytes). Every process then
+    loads the vocabulary and memory-maps the cache; a resumed run reads neither the corpus
+    nor the tokenizer again. Each process plans every batch from the examples' lengths (a few
+    bytes each) and reads the tokens of its own rows only. ``streaming=True`` reads the
+    corpus through ``datasets`` streaming (see :func:`iter_pairs`); process 0 then reads it
+    twice when it has to train the vocabulary (once for that, once to tokenize).
+
+    Eval pairs are read first and encoded by every process (an eval split is small); they are
+    always truncated, never dropped, so the eval set is complete.
+
+    Raises:
+      DataError: before anything is written to the workdir, when the eval split, or the
+        training split the vocabulary or the token cache would be built from, has no pair
+        with both sides non-empty, or when ``too_long="drop"`` drops every training pair.
+    """
+    _check_batching(config, process_count)
+    splits = _read_splits(config)
+    vocab = _build_vocabulary(config, workdir, splits.train)
+    encoded = _encode_splits(config, workdir, splits, vocab)
+    batches = _batch(
+        config, encoded, vocab.pad_id, process_index=process_index, process_count=process_count
+    )
+    return TranslationData(
+        train=batches.train,
+        eval_batches=batches.eval_batches,
+        eval_pairs=splits.eval_pairs,
+        src_tokenizer=vocab.src_tokenizer,
+        tgt_tokenizer=vocab.tgt_tokenizer,
+        stats=encoded.stats,
+        padding_fraction=batches.padding_fraction,
+        eval_stats=splits.eval_stats,
+        boundaries=batches.boundaries,
+        cache_dir=encoded.cache_dir,
     )
 
 
