@@ -38,6 +38,7 @@ from flaxformer_lite.data import reading as data
 from flaxformer_lite.data import tasks
 from flaxformer_lite.data.tasks import lm as lm_task
 from flaxformer_lite.decoding.generate import continue_prompt, generate
+from flaxformer_lite.decoding.generation_config import GenerationConfig, source_limit
 from flaxformer_lite.interop import init_from
 from flaxformer_lite.models import DecoderOnly, EncoderClassifier, EncoderDecoder
 from flaxformer_lite.nn import moe
@@ -422,10 +423,8 @@ def greedy_decode_in_order(
     if row_max_len is not None:
         rows["limit"] = np.asarray(row_max_len, np.int32)
     batch = sharding.global_rows_with_ids(rows, mesh)
-    tokens, _ = generate(
-        params, cfg, batch["x"], mesh=mesh, method="greedy", max_len=max_len,
-        row_max_len=batch.get("limit"),
-    )  # fmt: skip
+    greedy = GenerationConfig(method="greedy", max_len=max_len)
+    tokens, _ = generate(params, cfg, batch["x"], greedy, mesh=mesh, row_max_len=batch.get("limit"))
     return sharding.gather_in_row_order(tokens, batch[sharding.ROW_ID])
 
 
@@ -440,10 +439,10 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dic
         limits = None
         if task.metric == "exact_match":
             max_len = references.shape[1]
-        else:  # as the Translator: each source's own 1.5 x length + 10, not its batch's
-            max_len = min(cfg.max_len, int(inputs.shape[1] * 1.5) + 10)
+        else:  # as the Translator (max_len="source"): each source's own limit, not its batch's
+            max_len = source_limit(inputs.shape[1], cfg.max_len)
             lengths = np.count_nonzero(np.asarray(inputs) != cfg.pad_id, axis=1)
-            limits = np.clip(lengths * 3 // 2 + 10, 1, max_len)
+            limits = source_limit(lengths, max_len)
         tokens = greedy_decode_in_order(params, cfg, inputs, mesh, max_len, limits)
         for row in range(tokens.shape[0]):
             real = task.metric == "bleu" or (np.asarray(references[row]) != cfg.pad_id).any()
@@ -478,10 +477,10 @@ def decode_metric(task: tasks.Task, params, cfg: TransformerConfig, mesh) -> dic
 def lm_sample(task: tasks.Task, params, cfg: TransformerConfig, step: int, mesh) -> str:
     """A sampled continuation (temperature 0.8) of the first held-out window's opening."""
     prompt = np.asarray(task.eval_batches[0]["targets"][:1, : lm_task.PROMPT_LEN])
-    tokens, _ = continue_prompt(
-        params, cfg, prompt, mesh=mesh, method="sample", temperature=0.8,
-        max_len=cfg.max_len - prompt.shape[1] - 1, rng=jax.random.key(step),
-    )  # fmt: skip
+    sampling = GenerationConfig(
+        method="sample", temperature=0.8, max_len=cfg.max_len - prompt.shape[1] - 1
+    )
+    tokens, _ = continue_prompt(params, cfg, prompt, sampling, mesh=mesh, rng=jax.random.key(step))
     return (
         task.detokenize(prompt[0].tolist())
         + " || "

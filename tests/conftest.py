@@ -1,17 +1,30 @@
-"""Shared fixtures. Tests build their own small data; ../shared/data is optional."""
+"""Shared fixtures. Tests build their own small data; ../shared/data is optional.
+
+Test modules sit in folders by the subpackage they test (tests/ops/, tests/training/, ...),
+without ``__init__.py``: pytest imports each by its basename (rootdir/prepend mode), so basenames
+stay unique across folders (tests/test_layout.py checks). What several modules share lives in
+tests/helpers/, never in another test module."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# The repository root (``import train``) and tests/ (``import helpers``), for every test module
+# wherever it sits. Subprocesses that import either get them through PYTHONPATH.
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT, ROOT / "tests"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 # One persistent XLA compilation cache for the whole session: this process, the pytest-xdist
 # workers and every train.py / CLI subprocess a test starts (they inherit the environment).
 # Many tests compile the same tiny programs in fresh processes; a cache hit loads the same
 # executable XLA would have built, so results are unchanged and only compile time is saved.
-_JAX_CACHE = Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax_compilation_cache"
+_JAX_CACHE = ROOT / ".pytest_cache" / "jax_compilation_cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_JAX_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -25,9 +38,7 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     ).strip()
 
 SHARED_DATA = Path(
-    os.environ.get(
-        "FLAXFORMER_SHARED_DATA", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-    )
+    os.environ.get("FLAXFORMER_SHARED_DATA", ROOT / ".." / "shared" / "data")
 ).resolve()
 
 
@@ -46,15 +57,16 @@ SHARED_DATA = Path(
 #    tests/test_scheduling.py checks that each names a test.
 SLOWEST_FIRST = (
     # 3 eight-device runs (45 s each), the 2-process fixture (60-90 s), SIGTERM test (125 s).
-    "tests/test_sharding.py::test_sigterm_to_one_of_two_processes",
-    "tests/test_train.py::test_gradient_accumulation",  # 63 s, killed run 60 s, nonfinite 50 s
-    "tests/test_models.py::test_three_models_shapes_dtypes_jit_grad",  # 61 s (float32)
-    "tests/test_gcs.py::test_a_run_in_a_bucket",  # 60-80 s
+    "tests/training/test_sharding.py::test_sigterm_to_one_of_two_processes",
+    # 63 s, killed run 60 s, nonfinite 50 s
+    "tests/training/test_train.py::test_gradient_accumulation",
+    "tests/models/test_models.py::test_three_models_shapes_dtypes_jit_grad",  # 61 s (float32)
+    "tests/core/test_gcs.py::test_a_run_in_a_bucket",  # 60-80 s
     "tests/test_feature_matrix.py::test_g_checkpoint_restores_on_other_meshes",  # 3 min module
-    "tests/test_generate.py::test_eight_devices_decode",  # an 8-device subprocess
-    "tests/test_multihost_data.py::test_two_processes",  # 2 processes, then 1 with 8 devices
-    "tests/test_fastpaths.py::test_every_attention_kernel",  # an 8-device subprocess
-    "tests/test_scan_fused.py::test_scanned_model_initialises_sharded",  # ditto
+    "tests/decoding/test_generate.py::test_eight_devices_decode",  # an 8-device subprocess
+    "tests/data/test_multihost_data.py::test_two_processes",  # 2 processes, then 1 with 8 devices
+    "tests/ops/test_fastpaths.py::test_every_attention_kernel",  # an 8-device subprocess
+    "tests/nn/test_scan_fused.py::test_scanned_model_initialises_sharded",  # ditto
 )
 
 
@@ -84,15 +96,6 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder {SHARED_DATA} is absent (set FLAXFORMER_SHARED_DATA)")
     return SHARED_DATA
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for a localhost server)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def honour_generation_preconditions():
@@ -180,6 +183,8 @@ def gcs(tmp_path_factory) -> dict[str, str]:
                                          finds no credentials (no user's, no VM's) and goes
                                          anonymous
     """
+    from helpers.runs import free_port
+
     server = pytest.importorskip("gcp_storage_emulator.server")
     port = free_port()
     url = f"http://127.0.0.1:{port}"

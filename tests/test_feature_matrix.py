@@ -12,8 +12,8 @@ crosses them systematically:
   pairs REFUSED_PAIRS refuses at ``TransformerConfig`` construction, each of which has its own
   refusal test.
 * PATHS: what consumes a model, each checked against an independent reference:
-    a   forward logits vs the float64 NumPy reference (tests/numpy_reference.py, extended here
-        with a float64 mixture of experts); the training objective's gradient
+    a   forward logits vs the float64 NumPy reference (tests/helpers/numpy_reference.py,
+        extended here with a float64 mixture of experts); the training objective's gradient
         (``train.loss_sums``) vs a central difference of the float64 reference's loss
     b   cached greedy decoding (``generate``) vs an uncached recomputation of the whole prefix
         per step (tokens and log-probabilities)
@@ -47,8 +47,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import numpy_reference as ref  # tests/numpy_reference.py (pytest puts tests/ on sys.path)
 import pytest
+
+from helpers import numpy_reference as ref
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -353,7 +354,7 @@ TGT = padded_tokens(1, TGT_LENGTHS, TGT_LEN, BASE["vocab_size"])
 @functools.cache
 def float_params(cfg: TransformerConfig):
     """float32 NumPy parameters of ``cfg``'s model (float, scanned as the config says), drawn
-    away from the initialisation as tests/test_reference.py draws them: biases non-zero, norm
+    away from the initialisation as tests/models/test_reference.py draws them: biases non-zero, norm
     scales 1 +- 0.1, kernels N(0, 1/d_model); router kernels N(0, 1)-ish so routing depends on
     the token. Shapes come from ``jax.eval_shape``: nothing is compiled."""
     model = EncoderDecoder(float_config(cfg))
@@ -451,7 +452,7 @@ def jitted_apply(cfg: TransformerConfig):
 
 
 def int8_bound(cfg: TransformerConfig) -> float:
-    """Relative bound of the int8 model's logits error (tests/test_quantize.py's analysis):
+    """Relative bound of the int8 model's logits error (tests/ops/test_quantize.py's analysis):
     each quantized matmul errs by at most 1/254 + 1/254 of |x|_1 max|w| (0.79%), and to first
     order the relative errors of the matmuls in sequence add: per encoder layer 4 (self q/k/v,
     out, wi, wo), per decoder layer 7 (self q/k/v, out, cross q, cross k/v, out, wi, wo),
@@ -470,7 +471,7 @@ def assert_close_to_reference(cfg, got: np.ndarray, want: np.ndarray, real: np.n
         assert np.abs(error).max() <= int8_bound(cfg) * np.abs(want).max()
         assert np.abs(error).max() > 0  # the int8 path ran
     elif cfg.dtype == "bfloat16":
-        # tests/test_reference.py's bfloat16 bound (RMS 8u, max 32u of the logits' RMS).
+        # tests/models/test_reference.py's bfloat16 bound (RMS 8u, max 32u of the logits' RMS).
         assert float(np.sqrt(np.mean(error**2))) < 8 * BF16_U * scale
         assert float(np.abs(error).max()) < 32 * BF16_U * scale
         assert float(np.abs(error).max()) > 0.5 * BF16_U * scale  # bfloat16 really ran
@@ -531,7 +532,6 @@ def loss_grad(cfg: TransformerConfig, deterministic: bool, key: str = "objective
     the training loss (label smoothing 0: the objective is the summed cross-entropy, plus the
     weighted auxiliary losses of a mixture of experts; ``key="nll"``: the cross-entropy
     alone). One compile per (config, mode, key), shared by the paths that train."""
-    sys.path.insert(0, str(ROOT))
     import train
 
     model = EncoderDecoder(cfg)
@@ -640,7 +640,7 @@ def uncached_greedy(cfg, params, src, steps: int):
 
 def decode_tolerance(cfg) -> float:
     """Cached and uncached runs differ by float rounding: a few ulps in float32; in bfloat16
-    each is within 32u of the logits' RMS (tests/test_reference.py's bound), so two runs
+    each is within 32u of the logits' RMS (tests/models/test_reference.py's bound), so two runs
     within twice that."""
     return 64 * BF16_U if cfg.dtype == "bfloat16" else 1e-4
 
@@ -969,7 +969,7 @@ def test_h_training_objective_and_gradient_ignore_appended_padding(cell):
 
 def accum_params():
     out = []
-    # Dense accumulation: tests/test_train.py::test_gradient_accumulation.
+    # Dense accumulation: tests/training/test_train.py::test_gradient_accumulation.
     moe = [c for c in CELLS if c["moe"] and c["quant"] is None and c["dtype"] == "float32"]
     for c in moe[:1]:
         out.append(pytest.param(c, id=cell_id(c)))
@@ -982,7 +982,6 @@ def test_h_train_step_with_accumulation_equals_one_batch(cell):
     same updated parameters (SGD, learning rate 1: the update is the gradient)."""
     import optax
 
-    sys.path.insert(0, str(ROOT))
     import train
 
     cfg = config_of(cell)
@@ -1027,7 +1026,7 @@ def test_h_train_step_with_accumulation_equals_one_batch(cell):
 
 # ----------------------------------------------------------------------------- g: meshes
 
-MESHES = ((2, 2, 2),)  # (1, 8, 1) and the way back: tests/test_mesh_restore.py (dense)
+MESHES = ((2, 2, 2),)  # (1, 8, 1) and the way back: tests/training/test_mesh_restore.py (dense)
 
 
 def _mesh_worker(out: Path, ids: list[str]) -> None:

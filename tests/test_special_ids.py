@@ -9,7 +9,6 @@ or other weights than the references built in this file from the layout alone.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from flaxformer_lite.core import sharding  # noqa: E402

@@ -242,7 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {paths.resolve(path)}")
             return 0
         translator = Translator.from_workdir(args.workdir, step=args.step)
-        maps = translator.attention(args.text, max_len=args.max_len)
+        generation = translator.generation  # greedy, up to --max_len tokens when given
+        if args.max_len is not None:
+            generation = generation.replace(max_len=args.max_len)
+        maps = translator.attention(args.text, generation)
     except (FileNotFoundError, ValueError) as e:  # a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ from flaxformer_lite.cli.translate import (
     add_decoding_flags,
     check_decoding_flags,
     check_paths,
-    decoding_kwargs,
+    generation_from_flags,
     plain_warnings,
     read_lines,
     write_lines,
@@ -97,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         translator = Translator.from_pretrained(
             args.workdir, step=args.step, average=args.average, quantize=args.quantize
         )
-        hypotheses = translator.translate(sources, progress=True, **decoding_kwargs(args))
+        generation = generation_from_flags(args, translator.generation)
+        hypotheses = translator.translate(
+            sources, generation, batch_size=args.batch_size, seed=args.seed, progress=True
+        )
     except (FileNotFoundError, ValueError) as e:  # a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -105,8 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_lines(args.output, hypotheses)
     # References are compared as detokenized text, whitespace-normalised as in training.
     report = bleu_report(hypotheses, [" ".join(r.split()) for r in references])
-    method = args.method or translator.method
-    print(f"{translator.name}: {report['num_sentences']} sentences, method {method}")
+    print(f"{translator.name}: {report['num_sentences']} sentences, method {generation.method}")
     # str(BLEUScore) is "BLEU = 34.80 65.1/40.2/26.9/18.2 (BP = ... ref_len = ...)".
     print(f"cased:      {report['bleu']}")
     print(f"signature:  {report['signature']}")
@@ -118,10 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "workdir": args.workdir,
             "checkpoint": translator.name,
             "average": args.average,
-            "method": args.method or translator.method,
+            "method": generation.method,
             "quantize": args.quantize,
-            "beam_size": translator.beam_size if args.beam_size is None else args.beam_size,
-            "alpha": translator.alpha if args.alpha is None else args.alpha,
+            "beam_size": generation.beam_size,
+            "alpha": generation.alpha,
+            "generation": generation.to_dict(),
             "source": args.source,
             "reference": args.reference,
             "num_sentences": report["num_sentences"],

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from etils import epath
 
 from flaxformer_lite.core import paths
-from flaxformer_lite.decoding.generate import METHODS
+from flaxformer_lite.decoding.generation_config import METHODS, GenerationConfig
 from flaxformer_lite.inference.translator import Translator
 
 
@@ -180,19 +180,17 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def decoding_kwargs(args: argparse.Namespace) -> dict:
-    """The ``Translator.translate`` keyword arguments from parsed flags."""
-    return dict(
-        method=args.method,
-        beam_size=args.beam_size,
-        alpha=args.alpha,
-        batch_size=args.batch_size,
-        max_len=args.max_len,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
+def generation_from_flags(args: argparse.Namespace, default: GenerationConfig) -> GenerationConfig:
+    """The GenerationConfig the decoding flags ask for: ``default`` (the model's, e.g.
+    ``Translator.generation``) with ``--method``, ``--beam_size``, ``--alpha`` and
+    ``--max_len`` where given, and the sampling flags ``--temperature``, ``--top_k`` and
+    ``--top_p``."""
+    given = dict(
+        method=args.method, beam_size=args.beam_size, alpha=args.alpha, max_len=args.max_len
     )
+    fields = {k: v for k, v in given.items() if v is not None}
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    return default.replace(**fields, **sampling)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -219,7 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         sentences = read_lines(args.input)
         outputs = translator.translate(
-            sentences, progress=args.input not in (None, "-"), **decoding_kwargs(args)
+            sentences,
+            generation_from_flags(args, translator.generation),
+            batch_size=args.batch_size,
+            seed=args.seed,
+            progress=args.input not in (None, "-"),
         )
     except (FileNotFoundError, ValueError) as e:  # a message, not a traceback
         print(f"error: {e}", file=sys.stderr)

@@ -3,7 +3,9 @@
 ``search`` is pure functions over one model callback, ``tokens_to_logits(tokens, cache) ->
 (logits, new_cache)``: greedy, beam and sampling inside ``lax.while_loop`` (t5x style).
 ``generate`` binds them to the models: it builds the cache, shards rows over the mesh and jits
-one call per batch.
+one call per batch. ``generation_config.GenerationConfig`` holds every decoding option (method,
+lengths, beam and sampling options, token constraints) as one frozen, validated value;
+``hf_generation`` reads a Hugging Face folder's generation config for it.
 
 The search names are re-exported here: they were ``flaxformer_lite.decoding`` before the package
 had subfolders.

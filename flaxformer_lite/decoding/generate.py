@@ -8,6 +8,11 @@ its own row and follows its history through the small ``beam_ancestors`` array, 
 thing reordered by parent beam, and cross-attention keeps one entry per source
 (``beam_cache``; ``beam_cache="reorder"`` gathers every row instead, the classic search).
 
+Every decoding option is a field of one frozen ``GenerationConfig`` (``generation_config``):
+``generate(params, config, inputs, generation, **overrides)``, the overrides replacing its
+fields for one call as Hugging Face's ``generate(**kwargs)`` does (``generate(params, config,
+inputs, method="beam", beam_size=4)``). The jitted calls take it as one static argument.
+
 Both run on a ``jax.sharding.Mesh`` (default: every device, ``sharding.make_mesh()``): the
 batch is split over its ``data`` and ``fsdp`` axes, the parameters are placed by the logical
 axis rules of ``sharding.py`` (heads, MLP units and vocabulary over ``tensor``), and the
@@ -30,34 +35,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flaxformer_lite import models
 from flaxformer_lite.core import sharding
 from flaxformer_lite.decoding import search as decoding
+from flaxformer_lite.decoding.generation_config import (  # noqa: F401  (re-exported)
+    BEAM_CACHES,
+    METHODS,
+    SOURCE,
+    GenerationConfig,
+    check_decode_len,
+    field_names,
+    resolve,
+    source_limit,
+)
 from flaxformer_lite.models import DecoderOnly, EncoderDecoder, unrolled
 from flaxformer_lite.nn.config import TransformerConfig
 
-METHODS = ("greedy", "beam", "sample")
-# How beam search treats the key/value cache: "in_place" never moves it (each hypothesis
-# follows its history through ``beam_ancestors``, one cross-attention entry per source; see
-# ``beam_cache``), "reorder" gathers every cache row by parent beam after each step (the
-# classic way; every entry, cross-attention's too, per hypothesis).
-BEAM_CACHES = ("in_place", "reorder")
-# Shapes and Python-level choices: each distinct value compiles once.
-STATIC_ARGNAMES = (
-    "config",
-    "method",
-    "max_len",
-    "beam_size",
-    "alpha",
-    "beam_style",
-    "beam_cache",
-    "early_stopping",
-    "forced_eos",
-    "banned_ids",
-    "renormalize",
-    "temperature",
-    "top_k",
-    "top_p",
-    "mesh",
-    "rows",
-)
+# Shapes and Python-level choices: each distinct value compiles once (the GenerationConfig is
+# frozen and hashable: one static argument for every decoding option).
+STATIC_ARGNAMES = ("config", "generation", "mesh", "rows")
+# What the jitted entry points take besides GenerationConfig field overrides.
+_JIT_KEYWORDS = ("generation", "mesh", "rows", "rng", "row_max_len")
 
 
 def init_cache(
@@ -140,28 +135,21 @@ def _decoder_call(model: Any, params: Any, *context: Any, beam_size: int = 1):
 
 
 def _search(
-    method,
+    generation: GenerationConfig,
     tokens_to_logits,
     cache,
-    batch_size,
-    max_len,
+    batch_size: int,
+    max_len: int,
     *,
-    beam_size,
-    alpha,
-    beam_style,
-    early_stopping,
-    forced_eos,
-    banned_ids,
-    temperature,
-    top_k,
-    top_p,
     rng,
     initial_tokens,
     row_max_len,
-    config,
+    config: TransformerConfig,
     reorder_cache=None,
-    renormalize=False,
 ):
+    """The search ``generation.method`` names over ``tokens_to_logits``, with its options;
+    ``max_len`` the output width (resolved from ``generation.max_len``)."""
+    g = generation
     # The model's own ids: decoding starts from the decoder-start token it was trained behind,
     # stops at its EOS and pads with its PAD (all default to special_ids).
     ids = dict(
@@ -169,10 +157,10 @@ def _search(
         eos_id=config.eos_id,
         pad_id=config.pad_id,
         row_max_len=row_max_len,
-        forced_eos=forced_eos,
-        banned_ids=banned_ids,
+        forced_eos=g.forced_eos,
+        banned_ids=g.banned_ids,
     )
-    if method == "greedy":
+    if g.method == "greedy":
         return decoding.greedy_search(
             tokens_to_logits,
             cache,
@@ -181,7 +169,7 @@ def _search(
             initial_tokens=initial_tokens,
             **ids,
         )
-    if method == "sample":
+    if g.method == "sample":
         if rng is None:
             raise ValueError("method='sample' needs an explicit rng (a jax.random key)")
         return decoding.sample(
@@ -190,9 +178,9 @@ def _search(
             rng,
             batch_size=batch_size,
             max_len=max_len,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
             initial_tokens=initial_tokens,
             **ids,
         )
@@ -200,14 +188,14 @@ def _search(
         tokens_to_logits,
         cache,
         batch_size=batch_size,
-        beam_size=beam_size,
+        beam_size=g.beam_size,
         max_len=max_len,
-        alpha=alpha,
-        beam_style=beam_style,
-        early_stopping=early_stopping,
+        alpha=g.alpha,
+        beam_style=g.beam_style,
+        early_stopping=g.early_stopping,
         initial_tokens=initial_tokens,
         reorder_cache=reorder_cache,
-        renormalize=renormalize,
+        renormalize=g.renormalize,
         **ids,
     )
     return sequences[:, 0], scores[:, 0]
@@ -325,13 +313,6 @@ def _unpad(outputs: Any, rows: int | None, mesh: Mesh) -> Any:
     )
 
 
-def _check_method(method: str, beam_cache: str = "in_place") -> None:
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
-    if beam_cache not in BEAM_CACHES:
-        raise ValueError(f"beam_cache must be one of {BEAM_CACHES}; got {beam_cache!r}")
-
-
 def check_search_options(
     config: TransformerConfig,
     beam_style: str = "gnmt",
@@ -339,54 +320,20 @@ def check_search_options(
     forced_eos: bool = False,
     banned_ids: Any = (),
 ) -> tuple[int, ...]:
-    """``decoding.check_search_options`` against the model: ``banned_ids`` (returned as the
-    sorted tuple the jitted calls take as a static argument) must be ids of its output
-    vocabulary, and not its ``eos_id``.
+    """The checks of ``GenerationConfig(beam_style=..., early_stopping=..., forced_eos=...,
+    banned_ids=...).checked_for(config)``, for code written before GenerationConfig: returns
+    ``banned_ids`` as the sorted tuple of distinct ids.
 
     Raises:
       ValueError: naming the argument and the valid values.
     """
-    return decoding.check_search_options(
-        beam_style,
-        early_stopping,
-        forced_eos,
-        banned_ids,
-        eos_id=config.eos_id,
-        vocab_size=config.output_vocab_size,
+    generation = GenerationConfig(
+        beam_style=beam_style,
+        early_stopping=early_stopping,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
     )
-
-
-def check_decode_len(config: TransformerConfig, max_len: Any, prompt_len: int | None = None) -> int:
-    """The number of tokens to generate, checked against the model's positions.
-
-    ``prompt_len`` None (an EncoderDecoder): the decoder reads BOS and every generated token
-    but the last, so ``max_len`` may be up to ``TransformerConfig.max_len``; None = that.
-    ``prompt_len`` an int (a DecoderOnly continuing a prompt): the cache holds BOS, the prompt
-    and the new tokens, so ``prompt_len + 1 + max_len`` must not exceed
-    ``TransformerConfig.max_len``; None = all the positions left.
-
-    Raises:
-      ValueError: ``max_len`` is not a positive int, or the request does not fit (the
-        message names the argument and the largest value that fits).
-    """
-    limit = config.max_len if prompt_len is None else config.max_len - prompt_len - 1
-    if prompt_len is not None and limit < 1:
-        raise ValueError(
-            f"prompt of {prompt_len} tokens leaves no room to generate: BOS + prompt + new "
-            f"tokens must fit the model's TransformerConfig.max_len={config.max_len}, so the "
-            f"prompt may have at most {config.max_len - 2} tokens"
-        )
-    if max_len is None:
-        return limit
-    if isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 1:
-        raise ValueError(f"max_len must be a positive int or None; got {max_len!r}")
-    if max_len > limit:
-        where = "" if prompt_len is None else f" after BOS and a {prompt_len}-token prompt"
-        raise ValueError(
-            f"max_len={max_len} new tokens do not fit the model's positions{where} "
-            f"(TransformerConfig.max_len={config.max_len}): give max_len <= {limit}"
-        )
-    return int(max_len)
+    return generation.checked_for(config).banned_ids
 
 
 def _place_row_max_len(row_max_len: Any, rows: int, padded: int, mesh: Mesh, max_len: int):
@@ -429,56 +376,77 @@ def _place_row_max_len(row_max_len: Any, rows: int, padded: int, mesh: Mesh, max
 # ----------------------------------------------------------------------------- jitted calls
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
+class _OptionsJit:
+    """A jitted decoding call whose GenerationConfig may also come as keyword overrides, as
+    :func:`generate`'s (``method="beam", beam_size=4``): calls, ``.lower`` (ahead-of-time
+    compilation) and ``._cache_size`` as ``jax.jit``'s. The resolved config is one static
+    argument, so each distinct decoding compiles once."""
+
+    def __init__(self, fn: Any) -> None:
+        self.jitted = jax.jit(fn, static_argnames=STATIC_ARGNAMES)
+        functools.update_wrapper(self, fn)
+
+    def _arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        fields = set(field_names())
+        unknown = sorted(set(kwargs) - fields - set(_JIT_KEYWORDS))
+        if unknown:
+            raise TypeError(
+                f"{self.__name__}() got unexpected keyword arguments {unknown}; valid: "
+                f"{', '.join(_JIT_KEYWORDS)} and the GenerationConfig fields "
+                f"{', '.join(sorted(fields))}"
+            )
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+        generation = args[3] if len(args) > 3 else kwargs.pop("generation", None)
+        kwargs["generation"] = resolve(generation, overrides)
+        return args[:3], kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+        args, kwargs = self._arguments(args, kwargs)
+        return self.jitted(*args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._arguments(args, kwargs)
+        return self.jitted.lower(*args, **kwargs)
+
+    def _cache_size(self) -> int:
+        return self.jitted._cache_size()
+
+
+def _source_row_limits(inputs: jax.Array, config: TransformerConfig, max_len: int) -> jax.Array:
+    """int32 `[rows]`: each source row's own limit under ``max_len="source"``, from its ids
+    that are not ``config.pad_id`` (EOS included), at most ``max_len``."""
+    lengths = jnp.count_nonzero(inputs != config.pad_id, axis=1).astype(jnp.int32)
+    return source_limit(lengths, max_len)
+
+
+@_OptionsJit
 def generate_jit(
     params: Any,
     config: TransformerConfig,
     inputs: jax.Array,
+    generation: GenerationConfig,
     *,
     mesh: Mesh,
     rows: int | None = None,
-    method: str = "greedy",
-    max_len: int | None = None,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    beam_style: str = "gnmt",
-    early_stopping: bool | str = False,
-    forced_eos: bool = False,
-    banned_ids: tuple[int, ...] = (),
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     rng: jax.Array | None = None,
     row_max_len: jax.Array | None = None,
-    beam_cache: str = "in_place",
-    renormalize: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The one jitted call of :func:`generate`: ``inputs`` `[padded_rows, src_len]` (a multiple
-    of the data axes) and optional ``row_max_len`` `[padded_rows]`, the first ``rows`` of the
-    results returned (None: all of them). Called directly (``.lower`` for ahead-of-time
-    compilation), it places nothing itself: arguments on other shardings are moved inside the
-    call; ``banned_ids`` must then be a tuple (a static argument; :func:`generate` makes it
-    one)."""
-    _check_method(method, beam_cache)
-    max_len = check_decode_len(config, max_len)
+    of the data axes) and optional ``row_max_len`` `[padded_rows]` (None under
+    ``max_len="source"``: each row's limit from its own source ids), the first ``rows`` of the
+    results returned (None: all of them). ``generation`` (None: ``GenerationConfig()``) and
+    keyword overrides of its fields as in :func:`generate`. Called directly (``.lower`` for
+    ahead-of-time compilation), it places nothing itself: arguments on other shardings are
+    moved inside the call."""
+    max_len = generation.decode_len(config, source_len=inputs.shape[1])
     params = _constrain_params(params, EncoderDecoder, config, mesh)
     inputs = jax.lax.with_sharding_constraint(inputs, sharding.batch_sharding(mesh))
+    if row_max_len is None and generation.max_len == SOURCE:
+        row_max_len = _source_row_limits(inputs, config, max_len)
     if row_max_len is not None:
         row_max_len = jax.lax.with_sharding_constraint(row_max_len, sharding.batch_sharding(mesh))
     params, config = unrolled(params, config)
-    options = dict(
-        beam_size=beam_size,
-        alpha=alpha,
-        beam_style=beam_style,
-        early_stopping=early_stopping,
-        forced_eos=forced_eos,
-        banned_ids=banned_ids,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        rng=rng,
-        renormalize=renormalize,
-    )
+    method, beam_size = generation.method, generation.beam_size
     model = EncoderDecoder(config)
     batch_size = inputs.shape[0]
     # The models' own activation constraints (``models._constrain``) follow the same rules.
@@ -487,7 +455,7 @@ def generate_jit(
         nn.logical_axis_rules(sharding.LOGICAL_RULES),
     ):
         encoded = model.apply({"params": params}, inputs, method=model.encode)
-        in_place = method == "beam" and beam_cache == "in_place" and beam_size > 1
+        in_place = method == "beam" and generation.beam_cache == "in_place" and beam_size > 1
         if method == "beam" and not in_place:  # one copy of the source per beam, reordered
             encoded, inputs = decoding.expand_to_beams((encoded, inputs), beam_size)
         beams = beam_size if in_place else 1  # in place: the source's rows stay one each
@@ -502,64 +470,39 @@ def generate_jit(
         _, cache = prime(jnp.zeros((beam_rows, 0), jnp.int32), cache)
         step = _sharded_step(_decoder_call(model, params, None, inputs, beam_size=beams), mesh)
         tokens, scores = _search(
-            method,
+            generation,
             step,
             cache,
             batch_size,
             max_len,
+            rng=rng,
             initial_tokens=None,
             row_max_len=row_max_len,
             config=config,
             reorder_cache=models.reorder_beam_cache if in_place else None,
-            **options,
         )
     return _unpad((tokens, scores), rows, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
+@_OptionsJit
 def continue_prompt_jit(
     params: Any,
     config: TransformerConfig,
     prompt: jax.Array,
+    generation: GenerationConfig,
     *,
     mesh: Mesh,
     rows: int | None = None,
-    method: str = "greedy",
-    max_len: int | None = None,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    beam_style: str = "gnmt",
-    early_stopping: bool | str = False,
-    forced_eos: bool = False,
-    banned_ids: tuple[int, ...] = (),
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     rng: jax.Array | None = None,
-    beam_cache: str = "in_place",
-    renormalize: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The one jitted call of :func:`continue_prompt` (see :func:`generate_jit`)."""
-    _check_method(method, beam_cache)
     params = _constrain_params(params, DecoderOnly, config, mesh)
     prompt = jax.lax.with_sharding_constraint(prompt, sharding.batch_sharding(mesh))
     params, config = unrolled(params, config)
     model = DecoderOnly(config)
     batch_size, prompt_len = prompt.shape
-    max_len = check_decode_len(config, max_len, prompt_len)
-    options = dict(
-        beam_size=beam_size,
-        alpha=alpha,
-        beam_style=beam_style,
-        early_stopping=early_stopping,
-        forced_eos=forced_eos,
-        banned_ids=banned_ids,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        rng=rng,
-        renormalize=renormalize,
-    )
+    max_len = generation.decode_len(config, prompt_len=prompt_len)
+    method, beam_size = generation.method, generation.beam_size
     bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
     context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
     with (
@@ -571,7 +514,7 @@ def continue_prompt_jit(
         )
         step = _sharded_step(_decoder_call(model, params), mesh)
         _, cache = step(context[:, :-1], cache)  # prefill the prompt
-        in_place = method == "beam" and beam_cache == "in_place" and beam_size > 1
+        in_place = method == "beam" and generation.beam_cache == "in_place" and beam_size > 1
         if in_place:
             # The prompt was written once per row; its beams start as copies of it. A
             # zero-length call adds the beams' ancestry (zeros: every slot from beam 0).
@@ -579,16 +522,16 @@ def continue_prompt_jit(
             step = _sharded_step(_decoder_call(model, params, beam_size=beam_size), mesh)
             _, cache = step(jnp.zeros((batch_size * beam_size, 0), jnp.int32), cache)
         tokens, scores = _search(
-            method,
+            generation,
             step,
             cache,
             batch_size,
             max_len,
+            rng=rng,
             initial_tokens=context[:, -1],
             row_max_len=None,
             config=config,
             reorder_cache=models.reorder_beam_cache if in_place else None,
-            **options,
         )
     return _unpad((tokens, scores), rows, mesh)
 
@@ -596,27 +539,26 @@ def continue_prompt_jit(
 # ----------------------------------------------------------------------------- entry points
 
 
+def _checked_rng(generation: GenerationConfig, rng: jax.Array | None, mesh: Mesh):
+    """``rng`` replicated on ``mesh`` for sampling, None for the other methods (which do not
+    read it: one compile whatever key is passed)."""
+    if generation.method != "sample":
+        return None
+    if rng is None:
+        raise ValueError("method='sample' needs an explicit rng (a jax.random key)")
+    return _replicated(rng, mesh)
+
+
 def generate(
     params: Any,
     config: TransformerConfig,
     inputs: Any,
+    generation: GenerationConfig | None = None,
     *,
     mesh: Mesh | None = None,
-    method: str = "greedy",
-    max_len: int | None = None,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    beam_style: str = "gnmt",
-    early_stopping: bool | str = False,
-    forced_eos: bool = False,
-    banned_ids: tuple[int, ...] = (),
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     rng: jax.Array | None = None,
     row_max_len: Any = None,
-    beam_cache: str = "in_place",
-    renormalize: bool = False,
+    **overrides: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """Translates a batch of source token ids with an ``EncoderDecoder``.
 
@@ -624,35 +566,24 @@ def generate(
       params: the model parameters (``variables["params"]``, boxed or not; stacked ones of a
         ``scan_layers`` model are unstacked inside the call).
       config: the model's TransformerConfig.
-      inputs: int `[batch, src_len]`, padded with 0; rows may have different lengths (numpy,
-        or a jax array; a multi-process global array needs rows the data axes divide).
+      inputs: int `[batch, src_len]`, padded with ``config.pad_id``; rows may have different
+        lengths (numpy, or a jax array; a multi-process global array needs rows the data
+        axes divide).
+      generation: the decoding options (:class:`GenerationConfig`: method, ``max_len``, beam
+        and sampling options, token constraints); None = ``GenerationConfig()``, greedy up to
+        ``config.max_len`` tokens.
       mesh: the devices to run on (axes data, fsdp, tensor); None = every device, the batch
         split over all of them. Parameters already placed on it are not copied.
-      method: "greedy", "beam" (beam search, length penalty ``alpha``) or "sample"
-        (temperature, top-k, top-p; needs ``rng``).
-      max_len: tokens to generate at most (EOS included), at most ``config.max_len`` (the
-        decoder's positions); None = ``config.max_len``.
-      beam_style, early_stopping: the beam-search rules, ``decoding.BEAM_STYLES`` and
-        ``decoding.EARLY_STOPPING``: "gnmt" (default) or "hf", which with
-        ``alpha=length_penalty`` reproduces Hugging Face's
-        ``generate(num_beams=beam_size, length_penalty=..., early_stopping=...)``.
-      forced_eos: a row reaching ``max_len`` (or its ``row_max_len``) ends with EOS
-        (Hugging Face's ``forced_eos_token_id``, on in Marian configs).
-      banned_ids: ids never generated, e.g. ``(config.pad_id,)`` as opus-mt's
-        ``bad_words_ids``; any sequence of ints of the output vocabulary, not ``eos_id``.
+      rng: a ``jax.random`` key, needed by ``method="sample"`` (ignored by the others).
       row_max_len: optional ints `[batch]`, each in ``[1, max_len]``: row ``b`` generates
         at most ``row_max_len[b]`` tokens (PAD after them), so its output does not depend on
         the limits of the other rows; ``max_len`` is then the output width. Host values, or
         a global array whose rows follow those of ``inputs`` (multi-process). A traced
-        argument: other limits do not compile again.
-      renormalize: beam search only: log-softmax the constrained log-probs again, as Hugging
-        Face's ``renormalize_logits=True`` (``decoding.beam_search``); greedy and sampling
-        choices do not change with it.
-      beam_cache: one of :data:`BEAM_CACHES`: "in_place" (default) decodes beams over a cache
-        that never moves and one cross-attention entry per source (``beam_cache`` module,
-        sliding windows and relative positions included); "reorder" gathers every cache row
-        by parent beam after each step (the classic search; the same tokens and scores up to
-        float rounding).
+        argument: other limits do not compile again. None under ``max_len="source"``: each
+        row's limit from its own source ids.
+      **overrides: GenerationConfig fields replacing ``generation``'s for this call, as
+        Hugging Face's ``generate(**kwargs)``: ``generate(params, config, inputs,
+        method="beam", beam_size=4)``.
 
     Returns:
       tokens int32 `[batch, max_len]` (EOS-terminated, PAD after EOS, no BOS) and scores
@@ -660,42 +591,30 @@ def generate(
       tokens on any mesh (up to float rounding between different reduction orders).
 
     Raises:
-      ValueError: unknown ``method``, ``max_len`` not a positive int or more than
-        ``config.max_len``, ``row_max_len`` of another shape or out of ``[1, max_len]``,
-        ``inputs`` not rank 2, a search option not valid (:func:`check_search_options`),
-        all before anything is traced.
+      TypeError: an override that is not a GenerationConfig field (the valid ones listed).
+      ValueError: an option that is not valid (the field named: see GenerationConfig), a
+        ``max_len`` beyond ``config.max_len`` or banned ids outside its vocabulary
+        (``GenerationConfig.checked_for``), sampling without ``rng``, ``inputs`` not rank 2,
+        ``row_max_len`` of another shape or out of ``[1, max_len]``; all before anything is
+        traced.
     """
-    _check_method(method, beam_cache)
-    max_len = check_decode_len(config, max_len)
-    banned_ids = check_search_options(config, beam_style, early_stopping, forced_eos, banned_ids)
-    if not isinstance(renormalize, bool):
-        raise ValueError(f"renormalize must be True or False; got {renormalize!r}")
+    generation = resolve(generation, overrides).checked_for(config)
     mesh = default_mesh() if mesh is None else mesh
+    rng = _checked_rng(generation, rng, mesh)
     if not hasattr(inputs, "shape"):  # nested lists
         inputs = np.asarray(inputs, np.int32)
     inputs, rows = place_rows(inputs, mesh)
+    max_len = generation.decode_len(config, source_len=inputs.shape[1])
     limits = _place_row_max_len(row_max_len, rows, inputs.shape[0], mesh, max_len)
     return generate_jit(
         place_params(params, EncoderDecoder, config, mesh),
         config,
         inputs,
+        generation.canonical(),
         mesh=mesh,
         rows=rows,
-        method=method,
-        max_len=max_len,
-        beam_size=beam_size,
-        alpha=alpha,
-        beam_style=beam_style,
-        early_stopping=early_stopping,
-        forced_eos=forced_eos,
-        banned_ids=banned_ids,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        rng=_replicated(rng, mesh),
+        rng=rng,
         row_max_len=limits,
-        beam_cache=beam_cache,
-        renormalize=renormalize,
     )
 
 
@@ -703,59 +622,39 @@ def continue_prompt(
     params: Any,
     config: TransformerConfig,
     prompt: Any,
+    generation: GenerationConfig | None = None,
     *,
     mesh: Mesh | None = None,
-    method: str = "greedy",
-    max_len: int | None = None,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    beam_style: str = "gnmt",
-    early_stopping: bool | str = False,
-    forced_eos: bool = False,
-    banned_ids: tuple[int, ...] = (),
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     rng: jax.Array | None = None,
-    beam_cache: str = "in_place",
+    **overrides: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """Continues prompts with a ``DecoderOnly`` language model.
 
     prompt: int `[batch, prompt_len]` without padding (BOS is prepended here). The prompt is
     written into the cache in one call (prefill); then up to ``max_len`` tokens are generated
-    (None: as many as ``config.max_len`` leaves after BOS and the prompt). ``mesh`` and the
-    other options as in :func:`generate`.
+    (None: as many as ``config.max_len`` leaves after BOS and the prompt; "source" does not
+    apply). ``generation``, ``mesh``, ``rng`` and ``overrides`` as in :func:`generate`.
     Returns the continuation `[batch, max_len]` and scores `[batch]`.
 
     Raises:
       ValueError: BOS + prompt + ``max_len`` new tokens exceed ``config.max_len`` (the cache
         and positions), or the arguments of :func:`generate` are wrong (before tracing).
     """
-    _check_method(method, beam_cache)
-    banned_ids = check_search_options(config, beam_style, early_stopping, forced_eos, banned_ids)
+    generation = resolve(generation, overrides)
     if not hasattr(prompt, "shape"):  # nested lists
         prompt = np.asarray(prompt, np.int32)
-    if len(prompt.shape) == 2:  # else place_rows names the argument
-        check_decode_len(config, max_len, int(prompt.shape[1]))
+    # A prompt of another rank: place_rows below names the argument.
+    prompt_len = int(prompt.shape[1]) if len(prompt.shape) == 2 else 0
+    generation.checked_for(config, prompt_len=prompt_len)
     mesh = default_mesh() if mesh is None else mesh
+    rng = _checked_rng(generation, rng, mesh)
     prompt, rows = place_rows(prompt, mesh, "prompt")
     return continue_prompt_jit(
         place_params(params, DecoderOnly, config, mesh),
         config,
         prompt,
+        generation.canonical(),
         mesh=mesh,
         rows=rows,
-        method=method,
-        max_len=max_len,
-        beam_size=beam_size,
-        alpha=alpha,
-        beam_style=beam_style,
-        early_stopping=early_stopping,
-        forced_eos=forced_eos,
-        banned_ids=banned_ids,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        rng=_replicated(rng, mesh),
-        beam_cache=beam_cache,
+        rng=rng,
     )

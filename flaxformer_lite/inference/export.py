@@ -7,13 +7,15 @@
 ``--workdir`` is a ``train.py`` workdir (``model_config.json``, checkpoints, SentencePiece
 vocabulary) or a Hugging Face Marian folder (``config.json``, ``model.safetensors``,
 ``source.spm``, ``target.spm``, ``vocab.json``). Either way the artifact decodes as
-``Translator.from_pretrained(workdir).translate`` does: the same method, beam size, length
-penalty, search options (a fine-tuned run's Hugging Face rules, forced EOS and banned pad; a
-folder's generation config) and length limits (a workdir's per-row ``1.5 * source + 10``, a
-folder's ``max_length``). The output folder holds the serialized program (``translate.jax``),
-the parameters (``params.npz``, names = ``/``-joined paths), the vocabulary files,
-``manifest.json``, ``README.md`` and ``runtime.py`` (a copy of ``serving_runtime``), which
-loads it all without flaxformer_lite, flax or optax: the packages it needs are
+``Translator.from_pretrained(workdir).translate`` does: its ``GenerationConfig`` (the method,
+beam size, length penalty, search options: a fine-tuned run's Hugging Face rules, forced EOS
+and banned pad, a folder's generation config; and length limits: a workdir's per-row
+``1.5 * source + 10``, ``max_len="source"``, a folder's ``max_length``). The output folder
+holds the serialized program (``translate.jax``), the parameters (``params.npz``, names =
+``/``-joined paths), the vocabulary files, ``manifest.json`` (the config as ``generation``,
+``GenerationConfig.to_dict()``), ``README.md`` and ``runtime.py`` (a copy of
+``serving_runtime``), which loads it all without flaxformer_lite, flax or optax: the packages
+it needs are
 ``serving_runtime.REQUIREMENTS`` (jax and what jax imports, sentencepiece, and flatbuffers,
 which jax.export's deserializer needs but jax does not install), pinned in the manifest's
 ``requirements``.
@@ -43,12 +45,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxformer_lite.core import paths, sharding
-from flaxformer_lite.decoding.generate import check_decode_len, generate_jit
+from flaxformer_lite.decoding.generate import generate_jit
+from flaxformer_lite.decoding.generation_config import SOURCE, GenerationConfig, resolve
 from flaxformer_lite.inference import serving_runtime
 from flaxformer_lite.inference.translator import Translator
 from flaxformer_lite.nn.config import TransformerConfig
 
 EXPORT_METHODS = ("beam", "greedy")
+# How export_function and export_model decode unless told otherwise (a Translator's defaults).
+DEFAULT_GENERATION = GenerationConfig(method="beam", max_len=SOURCE)
+# The manifest's "decoding": the search options its runtime's program was traced with.
+_BEAM_OPTIONS = ("beam_style", "early_stopping", "renormalize")
+_CONSTRAINTS = ("forced_eos", "banned_ids")
 FORMAT = "flaxformer_lite.inference.export/1"
 RUNTIME_FILE = "runtime.py"
 # Vocabulary kind -> {role: file name}; the same names in the workdir and in the artifact.
@@ -97,57 +105,56 @@ def _one_device_mesh() -> jax.sharding.Mesh:
     return sharding.make_mesh((1, 1, 1), jax.devices()[:1])
 
 
+def exported_generation(
+    generation: GenerationConfig, config: TransformerConfig
+) -> tuple[GenerationConfig, bool]:
+    """(the config the program is traced with, whether each row gets its own limit).
+
+    The program's output width is fixed at export: ``generation.max_len`` when an int, the
+    model's positions for None and for "source" (the runtime then gives each row
+    ``min(width, 1.5 * source + 10)`` tokens through the program's ``row_max_len``). The
+    fields the method ignores take fixed values (``GenerationConfig.canonical``).
+
+    Raises:
+      ValueError: the method is not one of ``EXPORT_METHODS``, or ``generation`` does not fit
+        ``config`` (``GenerationConfig.checked_for``).
+    """
+    if generation.method not in EXPORT_METHODS:
+        raise ValueError(f"method must be one of {EXPORT_METHODS}; got {generation.method!r}")
+    generation.checked_for(config)
+    per_row = generation.max_len == SOURCE
+    width = config.max_len if per_row else generation.decode_len(config)
+    return generation.canonical().replace(max_len=width), per_row
+
+
 def export_function(
     params: Any,
     config: TransformerConfig,
+    generation: GenerationConfig | None = None,
     *,
-    method: str = "beam",
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    max_len: int | None = None,
     platforms: Sequence[str] | None = None,
-    decoding: Mapping[str, Any] | None = None,
+    **overrides: Any,
 ) -> jax.export.Exported:
     """``generate_jit`` for ``config`` exported with a symbolic batch and source length.
 
     The result maps ``(params, source_ids int32 [b, s], row_max_len int32 [b])`` to
     ``(tokens int32 [b, max_len], scores float32 [b])`` for any ``b >= 1`` and
     ``1 <= s <= config.max_len``; ``params`` are only read for their shapes and dtypes.
-    ``decoding``: further static options of ``generate_jit`` (``beam_style``,
-    ``early_stopping``, ``forced_eos``, ``banned_ids``, ``renormalize``), e.g. a
-    ``Translator``'s ``search_options``; the beam-only ones are dropped for greedy.
+    ``generation`` (None: :data:`DEFAULT_GENERATION`, beam 4 over the model's positions) with
+    ``overrides`` of its fields (``method="greedy", max_len=32``) says how it decodes; see
+    :func:`exported_generation` for the width.
 
     Raises:
-      ValueError: ``method`` not one of ``EXPORT_METHODS``, a ``beam_size`` that is not a
-        positive int, or ``max_len`` out of ``[1, config.max_len]``.
+      ValueError: ``method`` not one of ``EXPORT_METHODS``, or an option that is not valid
+        (e.g. a ``beam_size`` that is not a positive int, ``max_len`` out of
+        ``[1, config.max_len]``: the field named).
+      TypeError: an override that is not a GenerationConfig field.
     """
-    if method not in EXPORT_METHODS:
-        raise ValueError(f"method must be one of {EXPORT_METHODS}; got {method!r}")
-    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be a positive int; got {beam_size!r}")
-    max_len = check_decode_len(config, max_len)
-    decoding = dict(decoding or {})
-    if "banned_ids" in decoding:  # a static argument: hashable
-        decoding["banned_ids"] = tuple(int(i) for i in decoding["banned_ids"])
-    if method == "greedy":  # options the method ignores: fixed, as Translator fixes them
-        beam_size, alpha = 1, 0.0
-        for name in ("beam_style", "early_stopping", "renormalize"):
-            decoding.pop(name, None)
+    traced, _ = exported_generation(resolve(generation, overrides, DEFAULT_GENERATION), config)
     mesh = _one_device_mesh()
 
     def translate(params, source_ids, row_max_len):
-        return generate_jit(
-            params,
-            config,
-            source_ids,
-            mesh=mesh,
-            method=method,
-            max_len=max_len,
-            beam_size=beam_size,
-            alpha=float(alpha),
-            row_max_len=row_max_len,
-            **decoding,
-        )
+        return generate_jit(params, config, source_ids, traced, mesh=mesh, row_max_len=row_max_len)
 
     batch, source_len = jax.export.symbolic_shape("b, s", constraints=(f"s <= {config.max_len}",))
     specs = (
@@ -199,16 +206,12 @@ def export_model(
     config: TransformerConfig,
     out_dir: str,
     vocabulary_dir: str,
+    generation: GenerationConfig | None = None,
     *,
-    method: str = "beam",
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    max_len: int | None = None,
     batch_size: int = 8,
     platforms: Sequence[str] | None = None,
-    decoding: Mapping[str, Any] | None = None,
     source: str = "",
-    per_row_limit: bool = True,
+    **overrides: Any,
 ) -> dict[str, Any]:
     """Writes the serving artifact of an EncoderDecoder to the local folder ``out_dir``.
 
@@ -216,15 +219,18 @@ def export_model(
       params: unboxed, unrolled parameters (``Translator.params`` or ``hf.load_pretrained``'s).
       config: their TransformerConfig.
       vocabulary_dir: where the vocabulary files are (see :func:`vocabulary_files`).
-      method, beam_size, alpha, max_len, platforms, decoding: as :func:`export_function`.
+      generation, platforms, overrides: as :func:`export_function`. Its ``max_len``:
+        "source" (the default): ``runtime.translate`` gives each row ``min(model max_len,
+        1.5 * source + 10)`` tokens (a workdir's ``Translator``); an int: that many tokens
+        for every row (e.g. a Hugging Face folder's ``max_length``).
       batch_size: the rows per call ``runtime.translate`` pads to (one compiled shape).
       source: where the model came from, for the manifest.
-      per_row_limit: ``runtime.translate`` gives each row ``min(max_len, 1.5 * source +
-        10)`` tokens (a workdir's ``Translator``); False: ``max_len`` tokens for every row (a
-        Hugging Face folder's ``max_length``).
 
     Returns:
-      the manifest (also written as ``manifest.json``).
+      the manifest (also written as ``manifest.json``): ``generation`` (the exported
+      ``GenerationConfig.to_dict()``) and, as before it, ``method``, ``beam_size``,
+      ``alpha``, ``decoding`` (the search options), ``max_len`` (the output width) and
+      ``per_row_limit``, which the runtime reads.
 
     Raises:
       ValueError: see :func:`export_function`; ``batch_size`` not a positive int.
@@ -232,20 +238,11 @@ def export_model(
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
-    if not isinstance(per_row_limit, bool):
-        raise ValueError(f"per_row_limit must be True or False; got {per_row_limit!r}")
+    generation = resolve(generation, overrides, DEFAULT_GENERATION)
+    traced, per_row_limit = exported_generation(generation, config)
     kind, files = vocabulary_files(vocabulary_dir)
     params = jax.tree_util.tree_map(np.asarray, params)
-    exported = export_function(
-        params,
-        config,
-        method=method,
-        beam_size=beam_size,
-        alpha=alpha,
-        max_len=max_len,
-        platforms=platforms,
-        decoding=decoding,
-    )
+    exported = export_function(params, config, traced, platforms=platforms)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / serving_runtime.EXPORTED).write_bytes(exported.serialize())
@@ -254,18 +251,19 @@ def export_model(
     for name in set(files.values()):
         (out / name).write_bytes((vocab_root / name).read_bytes())
     shutil.copyfile(serving_runtime.__file__, out / RUNTIME_FILE)
+    options = (_BEAM_OPTIONS if traced.method == "beam" else ()) + _CONSTRAINTS
     manifest = {
         "format": FORMAT,
         "source": source,
-        "method": method,
-        "beam_size": beam_size if method == "beam" else 1,
-        "alpha": float(alpha) if method == "beam" else 0.0,
+        "generation": generation.canonical().to_dict(),
+        "method": traced.method,
+        "beam_size": traced.beam_size,
+        "alpha": traced.alpha,
         "decoding": {
             k: list(v) if isinstance(v, tuple) else v
-            for k, v in (decoding or {}).items()
-            if method == "beam" or k not in ("beam_style", "early_stopping", "renormalize")
+            for k, v in ((k, getattr(traced, k)) for k in options)
         },
-        "max_len": check_decode_len(config, max_len),
+        "max_len": traced.max_len,
         "per_row_limit": per_row_limit,
         "max_source_len": config.max_len,
         "batch_size": batch_size,
@@ -292,23 +290,22 @@ def export_model(
 
 
 def export_translator(
-    translator: Translator, out_dir: str, vocabulary_dir: str, **options: Any
+    translator: Translator,
+    out_dir: str,
+    vocabulary_dir: str,
+    generation: GenerationConfig | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """:func:`export_model` of a ``Translator``'s parameters and config, decoding as its
-    ``translate`` does by default: ``method``, ``beam_size``, ``alpha``, ``decoding`` (its
-    ``search_options``), ``max_len`` and ``per_row_limit`` (whether it has no ``max_len`` of
-    its own) default to the translator's. ``vocabulary_dir``: the folder of its vocabulary
-    files (its workdir or Hugging Face folder)."""
-    options.setdefault("method", translator.method)
-    options.setdefault("beam_size", translator.beam_size)
-    options.setdefault("alpha", translator.alpha)
-    options.setdefault("decoding", translator.search_options)
-    if translator.max_len is not None:
-        options.setdefault("max_len", translator.max_len)
-    options.setdefault("per_row_limit", translator.max_len is None)
+    ``translate`` does by default: ``generation`` None = ``translator.generation``, with
+    ``options``' GenerationConfig fields replacing its own (e.g. ``max_len=64``: 64 tokens
+    for every row, as ``translate(max_len=64)``); ``source`` defaults to its name.
+    ``vocabulary_dir``: the folder of its vocabulary files (its workdir or Hugging Face
+    folder)."""
+    generation = translator.generation if generation is None else generation
     options.setdefault("source", translator.name)
     params = jax.device_get(translator.params)
-    return export_model(params, translator.config, out_dir, vocabulary_dir, **options)
+    return export_model(params, translator.config, out_dir, vocabulary_dir, generation, **options)
 
 
 def _is_hf_dir(root: Any) -> bool:
@@ -319,7 +316,8 @@ def export_workdir(workdir: str, out_dir: str, **options: Any) -> dict[str, Any]
     """:func:`export_translator` of ``Translator.from_pretrained(workdir)``: a ``train.py``
     workdir (latest checkpoint, decoding as its Translator: the run's beam size, alpha and
     search options) or a Hugging Face Marian folder (decoding as ``MarianMTModel.generate``
-    with the folder's generation config); explicit ``options`` win.
+    with the folder's generation config); explicit ``options`` (GenerationConfig fields,
+    ``batch_size``, ``platforms``, ``source``) win.
 
     Raises:
       FileNotFoundError: ``workdir`` does not exist, or lacks the model, weights or

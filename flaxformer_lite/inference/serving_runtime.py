@@ -16,7 +16,10 @@ An artifact folder holds::
 
   ``manifest.json``   ids (pad, eos), ``max_len`` (the output width), ``per_row_limit``,
                       method, vocabulary kind, ``max_source_len``, the default row count per
-                      call, versions, ``requirements`` (pip names pinned).
+                      call, versions, ``requirements`` (pip names pinned), and
+                      ``generation`` (the exporter's GenerationConfig as a dict; this
+                      runtime reads ``max_len`` and ``per_row_limit`` only, so artifacts
+                      exported before that key existed load alike).
   ``translate.jax``   ``jax.export.Exported.serialize()`` of
                       ``(params, source_ids int32 [batch, src_len], row_max_len int32 [batch])
                       -> (tokens int32 [batch, max_len], scores float32 [batch])``, with
@@ -244,8 +247,9 @@ class ServingModel:
     def decode_len(self, source_len: int) -> int:
         """Tokens to generate for a source of ``source_len`` ids (EOS included): with the
         manifest's ``per_row_limit``, 1.5 times the source plus 10, at most ``max_len``
-        (a workdir's ``Translator``); without, ``max_len`` (a Hugging Face folder's
-        ``max_length``, as its ``generate``)."""
+        (a workdir's ``Translator``: ``GenerationConfig(max_len="source")``'s rule, repeated
+        here as this file imports nothing of flaxformer_lite); without, ``max_len`` (a
+        Hugging Face folder's ``max_length``, as its ``generate``)."""
         if not self.per_row_limit:
             return self.max_len
         return max(1, min(self.max_len, int(source_len * 1.5) + 10))

@@ -3,7 +3,9 @@
     from flaxformer_lite.inference.translator import Translator
 
     translator = Translator.from_workdir("runs/m30k")  # latest checkpoint
-    translator.translate(["A man rides a bike.", ""], method="beam")  # -> ["Ein Mann ...", ""]
+    translator.translate(["A man rides a bike.", ""])  # -> ["Ein Mann ...", ""]
+    translator.translate(["A man rides a bike."], method="greedy")  # a field replaced
+    translator.generation  # the GenerationConfig it decodes with (the run's beam size ...)
     translator.attention("A man rides a bike.")  # pieces + attention weights, for plots
 
 A workdir written by ``train.py`` (a local folder or a ``gs://`` URI) holds
@@ -35,14 +37,8 @@ from flaxformer_lite.core import paths, sharding
 from flaxformer_lite.core.checkpoints import average_params, restore_params
 from flaxformer_lite.data.tasks.base import vocabulary_ids
 from flaxformer_lite.data.tasks.synthetic import SymbolVocabulary  # noqa: E402  (re-exported)
-from flaxformer_lite.decoding.generate import (
-    METHODS,
-    check_decode_len,
-    check_search_options,
-    default_mesh,
-    generate,
-    place_params,
-)
+from flaxformer_lite.decoding.generate import default_mesh, generate, place_params
+from flaxformer_lite.decoding.generation_config import SOURCE, GenerationConfig, resolve
 from flaxformer_lite.models import (
     EncoderDecoder,
     abstract_params,
@@ -54,6 +50,11 @@ from flaxformer_lite.ops.quantize import check_quantization, quantize_params
 
 # Source lengths are padded up to a multiple of this: few shapes, little padding.
 BUCKET = 16
+# How a Translator built from parameters decodes unless told otherwise: beam 4, GNMT's length
+# penalty 0.6, each sentence up to min(model max_len, 1.5 x its tokens + 10).
+DEFAULT_GENERATION = GenerationConfig(method="beam", max_len=SOURCE)
+# The search options of code written before GenerationConfig (Translator.search_options).
+_SEARCH_OPTIONS = ("beam_style", "early_stopping", "forced_eos", "banned_ids")
 SEQ2SEQ_TASKS = ("synthetic", "translation")
 
 __all__ = [
@@ -93,21 +94,6 @@ class Vocabulary(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def id_to_piece(self, ids: Iterable[int]) -> list[str]: ...
-
-
-def _run_search_options(run: dict[str, Any], config: TransformerConfig) -> dict[str, Any]:
-    """generate()'s search options a run's config.json asks for (configs/finetune_marian.py
-    sets them: Hugging Face's beam rules, forced EOS, the pad id banned)."""
-    options: dict[str, Any] = {}
-    if run.get("beam_style"):
-        options["beam_style"] = run["beam_style"]
-    if run.get("early_stopping") is not None:
-        options["early_stopping"] = run["early_stopping"]
-    if run.get("forced_eos"):
-        options["forced_eos"] = True
-    if run.get("ban_pad"):
-        options["banned_ids"] = (config.pad_id,)
-    return options
 
 
 def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
@@ -153,22 +139,19 @@ class Translator:
       params: the model parameters (unboxed; numpy or jax arrays).
       config: the model's ``TransformerConfig``.
       source_vocab, target_vocab: vocabularies (the same object when shared).
-      beam_size, alpha: defaults of :meth:`translate` (``from_workdir`` reads them from the
-        run's ``config.json`` when it has them).
-      method: the default method of :meth:`translate` ("beam"; ``from_pretrained`` of a
-        Hugging Face folder: "greedy" unless it sets ``num_beams`` > 1, as ``generate``).
-      max_len: the default ``max_len`` of :meth:`translate`: None = each row's own limit,
-        ``min(model max_len, 1.5 * source + 10)``; an int = that many tokens for every row
-        (``from_pretrained``: the folder's ``max_length`` / ``max_new_tokens``).
-      search_options: generate()'s ``beam_style``, ``early_stopping``, ``forced_eos``,
-        ``banned_ids`` and ``renormalize`` (checked here; the beam rules and
-        ``renormalize`` apply to beam search only).
+      generation: how :meth:`translate` decodes by default (a ``GenerationConfig``, checked
+        against ``config`` here); None = :data:`DEFAULT_GENERATION`: beam 4, alpha 0.6, each
+        sentence up to ``min(model max_len, 1.5 * its tokens + 10)`` (``max_len="source"``).
+        ``from_workdir`` builds it from the run's ``config.json``
+        (``GenerationConfig.from_run``), ``from_pretrained`` of a Hugging Face folder from its
+        generation config (``GenerationConfig.from_hugging_face``).
       name: where the model came from, for messages.
       mesh: the devices that decode (a ``sharding.make_mesh`` mesh: batch over ``data`` x
         ``fsdp``, heads over ``tensor``); None = every device, the batch split over all.
       quantize: None, or "int8": decode with int8 weights and activations (the float
         ``params`` are quantized here by ``quantize.quantize_params``; ``config`` then has
         ``quantization="int8"``).
+      **overrides: GenerationConfig fields replacing ``generation``'s, e.g. ``beam_size=2``.
 
     A ``scan_layers`` model is converted once, here, to its unrolled equivalent
     (``models.unrolled``: same outputs), which ``config`` and ``params`` then hold.
@@ -177,7 +160,9 @@ class Translator:
     and the outputs, ``bos_id`` starts decoding): the vocabularies must have the same ones.
 
     Raises:
-      ValueError: a vocabulary's pad, eos or decoder-start id differs from ``config``'s.
+      ValueError: a vocabulary's pad, eos or decoder-start id differs from ``config``'s, or a
+        decoding option is not valid for this model (the field named).
+      TypeError: an override that is not a GenerationConfig field.
     """
 
     def __init__(
@@ -187,18 +172,14 @@ class Translator:
         source_vocab: Vocabulary,
         target_vocab: Vocabulary | None = None,
         *,
-        beam_size: int = 4,
-        alpha: float = 0.6,
+        generation: GenerationConfig | None = None,
         name: str = "",
         mesh: jax.sharding.Mesh | None = None,
-        search_options: dict[str, Any] | None = None,
         quantize: str | None = None,
-        method: str = "beam",
-        max_len: int | None = None,
+        **overrides: Any,
     ) -> None:
         check_quantization(quantize, "quantize")
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+        generation = resolve(generation, overrides, DEFAULT_GENERATION)
         params, config = unrolled(params, config)
         if quantize is not None and config.quantization is None:
             params = quantize_params(params, config)
@@ -215,24 +196,40 @@ class Translator:
                     f"the {side} vocabulary has special ids {have} but the model config has "
                     f"{wanted}; use the vocabulary the model was trained with"
                 )
-        self.beam_size = beam_size
-        self.alpha = alpha
-        # generate()'s beam_style / early_stopping / forced_eos / banned_ids (checked here).
-        self.search_options = dict(search_options or {})
-        renormalize = self.search_options.get("renormalize", False)
-        if not isinstance(renormalize, bool):
-            raise ValueError(
-                f"search_options renormalize must be True or False; got {renormalize!r}"
-            )
-        check_search_options(
-            config, **{k: v for k, v in self.search_options.items() if k != "renormalize"}
-        )
-        self.method = method
-        self.max_len = None if max_len is None else check_decode_len(config, max_len)
+        self.generation = generation.checked_for(config)
         self.name = name
         self.mesh = default_mesh() if mesh is None else mesh
         # On the devices once, in their shards, not at every call.
         self.params = place_params(params, EncoderDecoder, config, self.mesh)
+
+    # The defaults of code written before GenerationConfig, read from ``generation``.
+
+    @property
+    def method(self) -> str:
+        return self.generation.method
+
+    @property
+    def beam_size(self) -> int:
+        return self.generation.beam_size
+
+    @property
+    def alpha(self) -> float:
+        return self.generation.alpha
+
+    @property
+    def max_len(self) -> int | None:
+        """An int: every row's limit; None: each row's own (``max_len="source"``) or the
+        model's positions."""
+        return None if self.generation.max_len == SOURCE else self.generation.max_len
+
+    @property
+    def search_options(self) -> dict[str, Any]:
+        """``beam_style``, ``early_stopping``, ``forced_eos`` and ``banned_ids`` of
+        ``generation`` (and ``renormalize`` when it is on), as a dict."""
+        options = {k: getattr(self.generation, k) for k in _SEARCH_OPTIONS}
+        if self.generation.renormalize:
+            options["renormalize"] = True
+        return options
 
     # ------------------------------------------------------------------ loading
 
@@ -284,6 +281,10 @@ class Translator:
                 f"{workdir} was trained with task {task!r}; the translator needs an "
                 f"encoder-decoder run (task one of {SEQ2SEQ_TASKS})"
             )
+        try:  # before any weight is read
+            generation = GenerationConfig.from_run(run, config)
+        except ValueError as e:
+            raise ValueError(f"the decoding options of {run_path}: {e}") from e
 
         source_vocab, target_vocab = load_vocabularies(workdir)
         for side, vocab, size in (
@@ -309,11 +310,9 @@ class Translator:
             config,
             source_vocab,
             target_vocab,
-            beam_size=int(run.get("beam_size") or 4),
-            alpha=float(0.6 if run.get("alpha") is None else run["alpha"]),
+            generation=generation,
             name=f"{workdir} ({label})",
             mesh=mesh,
-            search_options=_run_search_options(run, config),
             quantize=quantize,
         )
 
@@ -329,21 +328,21 @@ class Translator:
     ) -> Translator:
         """A train.py workdir (``from_workdir``, e.g. a fine-tuned one) or a Hugging Face
         Marian folder / hub id (``hf.load_pretrained`` with its tokenizer), decoding as that
-        model's ``generate`` does with its generation config and nothing else: greedy unless
-        it sets ``num_beams`` > 1 (transformers' default is 1); ``length_penalty`` (here
-        ``alpha``, with Hugging Face's beam rules, default 1.0) and ``early_stopping``; every
-        row's limit ``max_new_tokens``, else ``max_length`` - 1, else 20 tokens
-        (``hf.generate_new_tokens``); the EOS forced at that limit when it sets
-        ``forced_eos_token_id``; its single-token ``bad_words_ids`` never generated (opus-mt
-        bans the pad token); ``renormalize_logits``.
+        model's ``generate`` does with its generation config and nothing else
+        (``GenerationConfig.from_hugging_face``): greedy unless it sets ``num_beams`` > 1
+        (transformers' default is 1); ``length_penalty`` (here ``alpha``, with Hugging Face's
+        beam rules, default 1.0) and ``early_stopping``; every row's limit
+        ``max_new_tokens``, else ``max_length`` - 1, else 20 tokens; the EOS forced at that
+        limit when it sets ``forced_eos_token_id``; its single-token ``bad_words_ids`` never
+        generated (opus-mt bans the pad token); ``renormalize_logits``.
 
         Args:
           source: a workdir, a Hugging Face folder or a hub id.
           mesh, quantize: as in the class.
           per_row_max_len: a Hugging Face folder: give each row this library's own limit,
-            ``min(max_len, 1.5 * source + 10)`` tokens, instead of the folder's
-            ``max_length`` (a deliberate departure from ``generate``: a short sentence stops
-            sooner when the model never emits EOS).
+            ``min(max_len, 1.5 * source + 10)`` tokens (``max_len="source"``), instead of the
+            folder's ``max_length`` (a deliberate departure from ``generate``: a short
+            sentence stops sooner when the model never emits EOS).
           workdir_kwargs: ``from_workdir``'s ``step`` and ``average`` (workdirs only).
 
         Raises:
@@ -359,46 +358,25 @@ class Translator:
             raise ValueError(f"per_row_max_len must be True or False; got {per_row_max_len!r}")
         if is_workdir(source):
             return cls.from_workdir(source, mesh=mesh, quantize=quantize, **workdir_kwargs)
-        gen = hf.generation_defaults(source)
         base = pretrained_config(source)  # config.json alone: checks before the weights
-        problems = hf.unsupported_generation(gen, base)
-        if problems:
-            raise ValueError(
-                f"the generation config of {source} asks for what Translator cannot decode: "
-                + "; ".join(problems)
-                + " (change generation_config.json, or decode with transformers)"
-            )
-        max_len = None if per_row_max_len else hf.generate_new_tokens(gen, base)
+        generation = GenerationConfig.from_hugging_face(source, base)
+        if per_row_max_len:
+            generation = generation.replace(max_len=SOURCE)
         config, params, tokenizer = hf.load_pretrained(source)
         if tokenizer is None:
             raise FileNotFoundError(
                 f"{source} has no tokenizer (source.spm, target.spm, vocab.json); the "
                 "Translator needs one"
             )
-        banned = sorted(
-            {int(w[0]) for w in gen.get("bad_words_ids") or [] if len(w) == 1} - {config.eos_id}
-        )
-        options = dict(
-            beam_style="hf",
-            early_stopping=gen.get("early_stopping", False),
-            forced_eos=gen.get("forced_eos_token_id") == config.eos_id,
-            banned_ids=tuple(banned),
-            renormalize=bool(gen.get("renormalize_logits", False)),
-        )
-        num_beams = int(gen.get("num_beams", 1))
         return cls(
             params,
             config,
             tokenizer.source,
             tokenizer.target,
-            beam_size=num_beams,
-            alpha=float(gen.get("length_penalty", 1.0)),
+            generation=generation,
             name=str(source),
             mesh=mesh,
-            search_options=options,
             quantize=quantize,
-            method="beam" if num_beams > 1 else "greedy",
-            max_len=max_len,
         )
 
     abstract_params = staticmethod(abstract_params)
@@ -409,20 +387,6 @@ class Translator:
     def max_source_len(self) -> int:
         """Longest source the model takes, EOS included (inputs are truncated to it)."""
         return self.config.max_len
-
-    def _decode_len(self, source_len: int, max_len: int | None) -> int:
-        """Tokens to generate for a source of ``source_len`` tokens (EOS included).
-
-        Default as in ``train.py``'s BLEU evaluation: 1.5 times the source plus 10, never more
-        than the model's positions cover (decoding stops earlier once every row has EOS).
-        It is a function of one source alone: ``translate`` gives each row its own limit.
-
-        Raises:
-          ValueError: ``max_len`` is not a positive int or exceeds the model's ``max_len``.
-        """
-        if max_len is None:
-            return max(1, min(self.config.max_len, int(source_len * 1.5) + 10))
-        return check_decode_len(self.config, max_len)
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int] | None], int]:
         """Source ids (``config.eos_id`` appended, truncated to ``max_source_len``) or None for
@@ -458,17 +422,12 @@ class Translator:
     def translate(
         self,
         sentences: Sequence[str],
+        generation: GenerationConfig | None = None,
         *,
-        method: str | None = None,
-        beam_size: int | None = None,
-        alpha: float | None = None,
         batch_size: int = 64,
-        max_len: int | None = None,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
         seed: int = 0,
         progress: bool = False,
+        **overrides: Any,
     ) -> list[str]:
         """Translates ``sentences``; the i-th output translates the i-th input.
 
@@ -476,35 +435,30 @@ class Translator:
           sentences: source strings. An empty (or whitespace-only) one gives "" without being
             decoded; one longer than the model's ``max_len`` is truncated, and one warning per
             call counts such lines.
-          method: "beam", "greedy" or "sample"; None = the translator's (``method``).
-          beam_size, alpha: beam search width and GNMT length penalty; None = the
-            translator's defaults (the run's ``config.json``, else 4 and 0.6).
+          generation: how to decode (a ``GenerationConfig``); None = the translator's
+            (``self.generation``). Its ``max_len``: an int is every sentence's limit;
+            "source" gives each sentence ``min(model max_len, 1.5 * source + 10)`` tokens with
+            ``source`` its own token count (EOS included): a sentence gets the same
+            translation whatever its batch-mates.
           batch_size: most sentences per decoding call. Every call of one ``translate`` uses
             the same row count: ``batch_size``, or the next power of two at or above the number
             of sentences when there are fewer (so one short input does not pay for 64 rows),
             rounded up to a multiple of the devices the batch is split over.
-          max_len: most tokens to generate; None = the translator's ``max_len``, and where
-            that is None too, ``min(model max_len, 1.5 * source + 10)`` with ``source`` the
-            sentence's own token count (EOS included): a sentence gets the same translation
-            whatever its batch-mates.
-          temperature, top_k, top_p: sampling filters (method="sample").
           seed: sampling key (batch i uses ``fold_in(key(seed), i)``): same seed, same output.
           progress: show a tqdm bar on stderr.
+          **overrides: GenerationConfig fields replacing those of ``generation`` for this
+            call: ``method`` ("beam", "greedy" or "sample"), ``beam_size``, ``alpha``,
+            ``max_len``, ``temperature``, ``top_k``, ``top_p``, ...
 
         Raises:
-          ValueError: unknown ``method``, a ``beam_size``, ``batch_size`` or ``max_len``
-            that is not a positive int, or a ``max_len`` above the model's ``max_len``.
+          ValueError: a decoding option that is not valid (e.g. an unknown ``method``, a
+            ``beam_size`` that is not a positive int, a ``max_len`` above the model's
+            ``max_len``: the field named), or a ``batch_size`` that is not a positive int.
+          TypeError: an override that is not a GenerationConfig field.
         """
-        method = self.method if method is None else method
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}; got {method!r}")
-        max_len = self.max_len if max_len is None else max_len
-        beam_size = self.beam_size if beam_size is None else beam_size
-        alpha = self.alpha if alpha is None else alpha
-        for name, value in (("beam_size", beam_size), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int; got {value!r}")
-        self._decode_len(1, max_len)  # validates max_len before any work
+        generation = resolve(generation, overrides, self.generation).checked_for(self.config)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
         sentences = list(sentences)
         ids, truncated = self.encode(sentences)
         self._warn_truncated(truncated, len(sentences))
@@ -520,34 +474,22 @@ class Translator:
         with tqdm(total=len(order), disable=not progress, unit="sent", desc="translate") as bar:
             for batch_index, start in enumerate(range(0, len(order), rows)):
                 chunk = order[start : start + rows]
+                # Padded to few lengths, that few shapes compile. Under max_len="source" each
+                # row stops at its own limit (a function of its own length): the padded
+                # length only sets the output width.
                 source_len = min(
                     _round_up(max(len(ids[i]) for i in chunk), BUCKET), self.max_source_len
                 )
                 inputs = np.full((rows, source_len), self.config.pad_id, np.int32)
-                # Each row stops at its own limit (a function of its own length); the padded
-                # source length only sets the output width, so that few shapes compile.
-                limits = np.zeros((rows,), np.int32)
                 for row, i in enumerate(chunk):
                     inputs[row, : len(ids[i])] = ids[i]
-                    limits[row] = self._decode_len(len(ids[i]), max_len)
                 # Padding rows copy a real row: they finish when it does, so they never keep
                 # the decoding loop (which stops once all rows have EOS) running longer.
                 inputs[len(chunk) :] = inputs[0]
-                limits[len(chunk) :] = limits[0]
-                tokens = self._generate(
-                    inputs,
-                    method=method,
-                    max_len=self._decode_len(source_len, max_len),
-                    row_max_len=limits,
-                    beam_size=beam_size,
-                    alpha=alpha,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    rng=jax.random.fold_in(jax.random.key(seed), batch_index)
-                    if method == "sample"
-                    else None,
-                )
+                rng = None
+                if generation.method == "sample":
+                    rng = jax.random.fold_in(jax.random.key(seed), batch_index)
+                tokens = self._generate(inputs, generation, rng)
                 for row, i in enumerate(chunk):
                     text = self.target_vocab.decode(self._until_eos(tokens[row]))
                     outputs[i] = " ".join(text.split())
@@ -563,59 +505,26 @@ class Translator:
         return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
     def _generate(
-        self,
-        inputs: np.ndarray,
-        *,
-        method: str,
-        max_len: int,
-        beam_size: int = 1,
-        alpha: float = 0.0,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        rng: jax.Array | None = None,
-        row_max_len: np.ndarray | None = None,
+        self, inputs: np.ndarray, generation: GenerationConfig, rng: jax.Array | None = None
     ) -> np.ndarray:
-        """Token ids `[rows, max_len]` (``config.eos_id``, then ``config.pad_id``) for source
-        ids `[rows, src_len]`; row ``r`` generates at most ``row_max_len[r]`` tokens (None:
-        ``max_len``)."""
-        # The options are static jit arguments: give the ones a method ignores fixed values,
-        # so that e.g. greedy with another beam_size does not compile again.
-        if method != "beam":
-            beam_size, alpha = 1, 0.0
-        if method != "sample":
-            temperature, top_k, top_p, rng = 1.0, 0, 1.0, None
-        search = dict(self.search_options)
-        if method != "beam":  # beam rules do not apply; constraints do
-            search.pop("beam_style", None)
-            search.pop("early_stopping", None)
-            search.pop("renormalize", None)  # changes no greedy or sampled choice
-        tokens, _ = generate(
-            self.params,
-            self.config,
-            inputs,
-            mesh=self.mesh,
-            method=method,
-            **search,
-            max_len=max_len,
-            beam_size=beam_size,
-            alpha=float(alpha),
-            temperature=float(temperature),
-            top_k=top_k,
-            top_p=float(top_p),
-            rng=rng,
-            row_max_len=row_max_len,
-        )
+        """Token ids `[rows, width]` (``config.eos_id``, then ``config.pad_id``) for source
+        ids `[rows, src_len]` (padded with ``config.pad_id``), decoded as ``generation``
+        says (``generate`` gives the fields its method ignores fixed values: e.g. greedy with
+        another ``beam_size`` does not compile again)."""
+        tokens, _ = generate(self.params, self.config, inputs, generation, mesh=self.mesh, rng=rng)
         return np.asarray(tokens)
 
     # ------------------------------------------------------------------ attention
 
-    def attention(self, text: str, *, max_len: int | None = None) -> dict[str, Any]:
+    def attention(
+        self, text: str, generation: GenerationConfig | None = None, **overrides: Any
+    ) -> dict[str, Any]:
         """Attention weights of the greedy translation of ``text``, for plotting.
 
-        The translation is decoded greedily, then run once more teacher-forced (same tokens)
-        with the "intermediates" collection mutable, where every attention layer sows its
-        weights.
+        The translation is decoded greedily (``generation``, None = the translator's, with
+        ``overrides`` such as ``max_len`` replacing its fields and ``method="greedy"``), then
+        run once more teacher-forced (same tokens) with the "intermediates" collection
+        mutable, where every attention layer sows its weights.
 
         Returns a dict::
 
@@ -630,17 +539,16 @@ class Translator:
           ``encoder_decoder``: float32 `[dec_layers, heads, tgt_len, src_len]`.
 
         Raises:
-          ValueError: ``text`` is empty.
+          ValueError: ``text`` is empty, or a decoding option is not valid.
         """
+        generation = resolve(generation, overrides, self.generation).replace(method="greedy")
+        generation.checked_for(self.config)
         ids, truncated = self.encode([text])
         self._warn_truncated(truncated, 1)
         if ids[0] is None:
             raise ValueError("attention() needs a non-empty text")
         source = np.asarray([ids[0]], np.int32)
-        max_len = self.max_len if max_len is None else max_len
-        tokens = self._generate(
-            source, method="greedy", max_len=self._decode_len(source.shape[1], max_len)
-        )[0]
+        tokens = self._generate(source, generation)[0]
         eos = np.flatnonzero(tokens == self.config.eos_id)
         target = tokens[: eos[0] + 1] if eos.size else tokens
         decoder_inputs = np.concatenate([[self.config.bos_id], target[:-1]]).astype(np.int32)

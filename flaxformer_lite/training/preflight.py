@@ -140,7 +140,7 @@ SAFE_CHANGES = (
 
 # Fields whose change alters the shapes of the checkpoint's parameters or optimizer state, so
 # that restoring fails: ``allow_changes`` cannot allow them (train in a new workdir instead).
-# tests/test_init_from.py checks that every model field which changes the parameter tree
+# tests/interop/test_init_from.py checks that every model field which changes the parameter tree
 # (paths, shapes or dtypes) is listed.
 SHAPE_FIELDS = (
     "task",

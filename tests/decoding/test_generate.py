@@ -1,0 +1,429 @@
+"""generate() on a real (tiny, randomly initialised) EncoderDecoder against plain references.
+
+The references recompute everything with ``model.apply`` (no cache, no search tricks): greedy
+decoding that re-runs the whole prefix at every step, and exhaustive enumeration of every
+output sequence for beam search. The output projection is scaled up ("peaky" model) so that
+low-temperature sampling is greedy in practice, and the naive loop asserts that the best and
+second-best logits are far apart compared with float32 rounding, so that "same tokens" can
+never hinge on a near-tie between the cached and the full computation.
+
+Random models tend to loop on one token; the seed is chosen so that rows have varied tokens
+and end at different steps, and the tests assert it (a new seed is the fix if JAX's random
+numbers ever change).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from flaxformer_lite.core import sharding
+from flaxformer_lite.decoding.generate import generate
+from flaxformer_lite.decoding.search import BOS_ID, EOS_ID, PAD_ID, length_penalty
+from flaxformer_lite.models import EncoderDecoder
+from flaxformer_lite.nn.config import TransformerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CONFIG = TransformerConfig(
+    vocab_size=24,
+    d_model=32,
+    num_heads=2,
+    d_ff=64,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    dropout_rate=0.0,
+    max_len=16,
+    tie_output_embedding=False,  # the output projection alone is scaled to make it peaky
+)
+SEED = 23
+# Sources of different lengths (EOS-terminated, PAD after): the padded-batch test needs them.
+SOURCES = [[5, 9, 7, 1], [12, 4, 6, 20, 8, 11, 1], [17, 1]]
+MAX_LEN = 10
+MIN_MARGIN = 1e-3  # smallest top-1 / top-2 logit gap accepted: 100x float32 rounding here
+
+
+def init_params(config: TransformerConfig, seed: int, scale: float) -> dict:
+    """Random parameters with the output projection multiplied by ``scale``."""
+    model = EncoderDecoder(config)
+    tokens = jnp.ones((1, 4), jnp.int32)
+    # jit: one compile is faster than running init op by op.
+    variables = jax.jit(model.init)(jax.random.key(seed), tokens, tokens)
+    params = nn.meta.unbox(variables["params"])
+    kernel = params["decoder"]["logits"]["kernel"]
+    params["decoder"]["logits"]["kernel"] = kernel * scale
+    return params
+
+
+def padded(rows: list[list[int]], length: int | None = None) -> jnp.ndarray:
+    length = length or max(map(len, rows))
+    out = np.full((len(rows), length), PAD_ID, np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return jnp.asarray(out)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def full_logits(params, config, inputs, decoder_inputs):
+    """Logits `[batch, t, vocab]` of the whole (shifted) decoder input: no cache, the encoder
+    and every decoder position recomputed from scratch."""
+    model = EncoderDecoder(config)
+    return model.apply(
+        {"params": params},
+        inputs,
+        decoder_inputs,
+        method=lambda m, x, y: m.decode(m.encode(x), x, y),
+    )
+
+
+def teacher_forced_log_probs(params, config, inputs, tokens) -> np.ndarray:
+    """log p(tokens[:, t] | tokens[:, :t], inputs) `[batch, len, vocab]` for every t."""
+    bos = np.full((tokens.shape[0], 1), BOS_ID, np.int32)
+    decoder_inputs = np.concatenate([bos, np.asarray(tokens)[:, :-1]], axis=1)
+    logits = full_logits(params, config, inputs, jnp.asarray(decoder_inputs))
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+
+def naive_greedy(params, config, inputs, max_len: int) -> tuple[np.ndarray, float]:
+    """Greedy decoding that recomputes the full prefix ``[BOS, y_1 .. y_t]`` at every step.
+
+    The prefix is padded to ``max_len`` so one compiled shape serves every step; the decoder
+    is causal, so what follows position t cannot change the logits read at t.
+    Returns tokens `[batch, max_len]` (EOS, then PAD) and the smallest top-1 / top-2 logit
+    margin met while choosing.
+    """
+    batch = inputs.shape[0]
+    decoder_inputs = np.full((batch, max_len), PAD_ID, np.int32)
+    decoder_inputs[:, 0] = BOS_ID
+    tokens = np.full((batch, max_len), PAD_ID, np.int32)
+    finished = np.zeros(batch, bool)
+    margin = np.inf
+    for t in range(max_len):
+        logits = np.asarray(full_logits(params, config, inputs, jnp.asarray(decoder_inputs)))
+        logits = logits[:, t]
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        margin = min(margin, float((top2[:, 1] - top2[:, 0])[~finished].min()))
+        nxt = np.where(finished, PAD_ID, logits.argmax(-1)).astype(np.int32)
+        tokens[:, t] = nxt
+        finished |= nxt == EOS_ID
+        if finished.all():
+            break
+        if t + 1 < max_len:
+            decoder_inputs[:, t + 1] = nxt
+    return tokens, margin
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CONFIG, seed=SEED, scale=8.0)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return padded(SOURCES)
+
+
+@pytest.fixture(scope="module")
+def greedy(params, inputs):
+    tokens, scores = generate(params, CONFIG, inputs, method="greedy", max_len=MAX_LEN)
+    return np.asarray(tokens), np.asarray(scores)
+
+
+def generated_lengths(tokens: np.ndarray) -> list[int]:
+    """Tokens up to and including EOS (max_len when there is none), per row."""
+    return [
+        int(np.argmax(row == EOS_ID)) + 1 if (row == EOS_ID).any() else len(row) for row in tokens
+    ]
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+def test_cached_greedy_equals_full_recomputation(params, inputs, greedy):
+    tokens, scores = greedy
+    expected, margin = naive_greedy(params, CONFIG, inputs, MAX_LEN)
+    assert margin > MIN_MARGIN, f"near-tie in the random model (margin {margin}): change seed"
+    np.testing.assert_array_equal(tokens, expected)
+    # The test means something only if rows are long and end at different steps.
+    lengths = generated_lengths(tokens)
+    assert max(lengths) >= 4 and len(set(lengths)) > 1, lengths
+    # Scores: the summed log-probs of the generated tokens, EOS included.
+    logp = teacher_forced_log_probs(params, CONFIG, inputs, tokens)
+    for row, length in enumerate(lengths):
+        expected_score = logp[row, np.arange(length), tokens[row, :length]].sum()
+        np.testing.assert_allclose(scores[row], expected_score, rtol=1e-5, atol=1e-4)
+
+
+def test_padded_batch_equals_rows_decoded_alone(params, greedy):
+    tokens, _ = greedy
+    for row, source in enumerate(SOURCES):
+        alone, _ = generate(
+            params, CONFIG, jnp.asarray([source], jnp.int32), method="greedy", max_len=MAX_LEN
+        )
+        np.testing.assert_array_equal(np.asarray(alone)[0], tokens[row], err_msg=f"row {row}")
+
+
+def test_row_max_len_cuts_each_row_at_its_own_limit(params, inputs, greedy):
+    tokens, scores = greedy
+    lengths = generated_lengths(tokens)
+    # Row 0 cut before its EOS, row 1 given more than it uses, row 2 cut at 1 token.
+    limits = [lengths[0] - 2, MAX_LEN, 1]
+    assert lengths[0] - 2 >= 1 and lengths[2] > 1, lengths
+    got, got_scores = generate(
+        params, CONFIG, inputs, method="greedy", max_len=MAX_LEN, row_max_len=limits
+    )
+    # A row alone with limit L: greedy's first L tokens, PAD after them; scores summed over
+    # them (the teacher-forced log-probs of the unlimited run).
+    keep = np.arange(MAX_LEN)[None, :] < np.asarray(limits)[:, None]
+    np.testing.assert_array_equal(np.asarray(got), np.where(keep, tokens, PAD_ID))
+    logp = teacher_forced_log_probs(params, CONFIG, inputs, tokens)
+    for row, limit in enumerate(limits):
+        n = min(limit, lengths[row])
+        want = logp[row, np.arange(n), tokens[row, :n]].sum()
+        np.testing.assert_allclose(got_scores[row], want, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- beam search
+
+
+def beam1_expectation(logp: np.ndarray, tokens: np.ndarray, length: int):
+    """What beam search with one beam and alpha=0 returns, given greedy's path.
+
+    Beam search keeps finished hypotheses apart. With one beam it scores the two best
+    extensions of its live hypothesis at every step; when EOS is the *second* best at step
+    t, "greedy prefix + EOS" is finished with log-prob logp(prefix) + logp(EOS) while the
+    search goes on along greedy's path. Log-probs only fall, so at the end the best of these
+    early hypotheses and greedy's own result is returned: beam-1 equals greedy exactly when
+    no early EOS hypothesis scores above greedy's final log-prob.
+
+    Args: logp `[len, vocab]` teacher-forced along greedy's tokens `[len]`; ``length`` greedy's
+    generated tokens (EOS included). Returns (tokens, score) of the expected result.
+    """
+    steps = np.arange(length)
+    so_far = np.concatenate([[0.0], np.cumsum(logp[steps, tokens[:length]])])
+    best = (tokens[:length], so_far[length])
+    for t in range(length - 1):
+        if np.argsort(logp[t])[-2] == EOS_ID and so_far[t] + logp[t, EOS_ID] > best[1]:
+            best = (np.append(tokens[:t], EOS_ID), so_far[t] + logp[t, EOS_ID])
+    out = np.full(len(tokens), PAD_ID, np.int32)
+    out[: len(best[0])] = best[0]
+    return out, best[1]
+
+
+def test_beam_size_1_equals_greedy(params, inputs, greedy):
+    """With alpha=0 and max_len=3 the condition of ``beam1_expectation`` holds for every row
+    of this model (checked), so beam-1 gives greedy's tokens and scores."""
+    max_len = 3
+    tokens = greedy[0][:, :max_len]  # greedy is prefix-consistent: shorter max_len, same start
+    beam, beam_scores = generate(
+        params, CONFIG, inputs, method="beam", beam_size=1, alpha=0.0, max_len=max_len
+    )
+    logp = teacher_forced_log_probs(params, CONFIG, inputs, tokens)
+    for row, length in enumerate(generated_lengths(tokens)):
+        expected, score = beam1_expectation(logp[row], tokens[row], length)
+        np.testing.assert_array_equal(expected, tokens[row], err_msg="condition fails: new seed")
+        np.testing.assert_array_equal(np.asarray(beam)[row], tokens[row])
+        np.testing.assert_allclose(float(beam_scores[row]), score, rtol=1e-5, atol=1e-4)
+
+
+def test_beam_size_1_returns_an_early_eos_that_beats_greedy(params, inputs, greedy):
+    """At max_len 10, row 0's greedy path has EOS second best at an early step and that
+    shorter hypothesis scores above greedy's final one: beam-1 returns it; the other rows
+    equal greedy. Every row matches ``beam1_expectation``."""
+    tokens = greedy[0]
+    beam, beam_scores = generate(
+        params, CONFIG, inputs, method="beam", beam_size=1, alpha=0.0, max_len=MAX_LEN
+    )
+    logp = teacher_forced_log_probs(params, CONFIG, inputs, tokens)
+    differs = []
+    for row, length in enumerate(generated_lengths(tokens)):
+        expected, score = beam1_expectation(logp[row], tokens[row], length)
+        np.testing.assert_array_equal(np.asarray(beam)[row], expected, err_msg=f"row {row}")
+        np.testing.assert_allclose(float(beam_scores[row]), score, rtol=1e-5, atol=1e-4)
+        differs.append(not np.array_equal(expected, tokens[row]))
+    assert differs == [True, False, False], "the seed no longer shows the case: new seed"
+
+
+def test_beam_as_wide_as_the_search_space_finds_the_exhaustive_best():
+    """Vocabulary 5 (PAD, EOS, BOS, UNK and one symbol), max_len 4: a hypothesis is 0-3
+    non-EOS tokens then EOS, or 4 non-EOS tokens (truncated): 1 + 4 + 16 + 64 + 256 = 341
+    sequences. With 64 beams (every live prefix of length 3) nothing is ever pruned, so beam
+    search must return the sequence with the best GNMT-penalised score among all of them.
+    The search may emit PAD, BOS and UNK too (the model gives them probability), so the
+    enumeration includes them."""
+    config = CONFIG.replace(vocab_size=5, d_model=16, d_ff=32)
+    # Seed chosen so that the best sequence is not greedy's in either row (checked below).
+    params = init_params(config, seed=6, scale=1.0)
+    inputs = padded([[4, 4, 1], [4, 1, 0]])
+    max_len, alpha, beam_size = 4, 0.6, 64
+    sequences, scores = generate(
+        params, config, inputs, method="beam", beam_size=beam_size, alpha=alpha, max_len=max_len
+    )
+    non_eos = [t for t in range(config.vocab_size) if t != EOS_ID]
+    hypotheses = [
+        (*body, EOS_ID) for n in range(max_len) for body in itertools.product(non_eos, repeat=n)
+    ]
+    hypotheses += list(itertools.product(non_eos, repeat=max_len))
+    assert len(hypotheses) == 341
+    lengths = np.array([len(h) for h in hypotheses])
+    targets = padded([list(h) for h in hypotheses], max_len)  # PAD after EOS: causal, unread
+    penalty = np.asarray(length_penalty(lengths, alpha))
+    for row in range(inputs.shape[0]):
+        source = jnp.repeat(inputs[row : row + 1], len(hypotheses), axis=0)
+        logp = teacher_forced_log_probs(params, config, source, targets)
+        picked = np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1)[..., 0]
+        total = np.where(np.arange(max_len) < lengths[:, None], picked, 0.0).sum(-1)
+        penalised = total / penalty
+        best = int(np.argmax(penalised))
+        # Greedy's path read from the same table: the test must tell beam search from greedy.
+        greedy_path: tuple[int, ...] = ()
+        while len(greedy_path) < max_len and EOS_ID not in greedy_path:
+            t = len(greedy_path)
+            i = next(i for i, h in enumerate(hypotheses) if h[:t] == greedy_path)
+            greedy_path += (int(np.argmax(logp[i, t])),)
+        assert greedy_path != hypotheses[best], f"row {row}: greedy finds the best too; new seed"
+        np.testing.assert_array_equal(np.asarray(sequences)[row], np.asarray(targets)[best])
+        np.testing.assert_allclose(float(scores[row]), penalised[best], rtol=1e-5, atol=1e-5)
+        # A runner-up close to the best would make the comparison a matter of rounding.
+        runner_up = np.sort(penalised)[-2]
+        assert penalised[best] - runner_up > 1e-4, (row, penalised[best], runner_up)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_sampling_is_deterministic_for_a_key(params, inputs):
+    def draw(seed):
+        tokens, _ = generate(
+            params,
+            CONFIG,
+            inputs,
+            method="sample",
+            temperature=4.0,  # flat enough that two keys really differ
+            max_len=MAX_LEN,
+            rng=jax.random.key(seed),
+        )
+        return np.asarray(tokens)
+
+    np.testing.assert_array_equal(draw(0), draw(0))
+    assert not np.array_equal(draw(0), draw(1))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(temperature=0.0), dict(temperature=1e-4), dict(temperature=1.0, top_k=1)],
+    ids=["temperature0", "temperature1e-4", "top_k1"],
+)
+def test_sampling_limits_equal_greedy(params, inputs, greedy, options):
+    tokens, scores = generate(
+        params, CONFIG, inputs, method="sample", max_len=MAX_LEN, rng=jax.random.key(3), **options
+    )
+    np.testing.assert_array_equal(np.asarray(tokens), greedy[0])
+    # Scores are under the unmodified model distribution, so they match greedy's too.
+    np.testing.assert_allclose(np.asarray(scores), greedy[1], rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+
+def test_unknown_method_names_the_argument(params, inputs):
+    with pytest.raises(ValueError, match="method"):
+        generate(params, CONFIG, inputs, method="nucleus")
+
+
+def test_inputs_that_are_not_a_batch_of_rows_name_the_argument(params):
+    with pytest.raises(ValueError, match=r"inputs must be \[batch, length\]"):
+        generate(params, CONFIG, np.array([5, 9, 1]), max_len=4)
+
+
+def test_sampling_without_rng_fails(params, inputs):
+    with pytest.raises(ValueError, match="rng"):
+        generate(params, CONFIG, inputs, method="sample", max_len=MAX_LEN)
+
+
+# ----------------------------------------------------------------------------- meshes
+
+
+def test_cache_sharding_splits_batch_and_divisible_kv_heads():
+    # AbstractMesh: the rule needs only axis sizes. [batch, kv_heads, length, head_dim]: batch
+    # 6 over data x fsdp = 2, kv_heads 4 over tensor 2; scalars (the cache index) replicated.
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((1, 2, 2), sharding.MESH_AXES)
+    spec = sharding.cache_sharding((6, 4, 10, 8), mesh).spec
+    assert spec == PartitionSpec(("data", "fsdp"), "tensor", None, None)
+    assert sharding.cache_sharding((6, 3, 10, 8), mesh).spec == PartitionSpec(
+        ("data", "fsdp"), None, None, None
+    )
+    assert sharding.cache_sharding((), mesh).spec == PartitionSpec()
+
+
+def test_cache_sharding_leaves_what_the_mesh_does_not_divide_whole():
+    # AbstractMesh: the rule needs only axis sizes, so 8 devices are not needed here.
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((2, 1, 4), sharding.MESH_AXES)
+    assert sharding.cache_sharding((6, 4, 10, 8), mesh).spec == PartitionSpec(
+        ("data", "fsdp"), "tensor", None, None
+    )
+    # Multi-query attention (1 kv head) and an odd row count: replicated there.
+    assert sharding.cache_sharding((5, 1, 10, 8), mesh).spec == PartitionSpec(
+        None, None, None, None
+    )
+
+
+@pytest.fixture(scope="module")
+def sharded_decoding(tmp_path_factory):
+    """tests/helpers/sharded_decode.py on 8 simulated devices: one device, (8,1,1) and
+    (2,1,4), greedy and beam 4, continue_prompt and the Translator, in one subprocess."""
+    out = tmp_path_factory.mktemp("sharded_decoding")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "helpers" / "sharded_decode.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return dict(np.load(out / "results.npz")), json.loads((out / "facts.json").read_text())
+
+
+@pytest.mark.parametrize("mesh", ["8x1x1", "2x1x4"])
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_eight_devices_decode_the_tokens_of_one(sharded_decoding, mesh, method):
+    results, facts = sharded_decoding
+    ref, got = results[f"one/{method}/tokens"], results[f"{mesh}/{method}/tokens"]
+    assert ref.shape == got.shape == (5, MAX_LEN)  # 5 rows: padded to 8 or 6, then dropped
+    assert len(set(generated_lengths(ref))) > 1 and len({tuple(r) for r in ref}) == 5
+    assert (results["one/beam/tokens"] != results["one/greedy/tokens"]).any()
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_allclose(
+        results[f"{mesh}/{method}/scores"], results[f"one/{method}/scores"], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_sharded_decoding_compiles_once_per_shape_and_splits_heads(sharded_decoding):
+    results, facts = sharded_decoding
+    assert facts["compiles"] == 6  # 3 meshes x 2 methods
+    assert facts["compiles_after_same_shape"] == 6
+    assert facts["query_kernel_spec"] == ["fsdp", "tensor", None]  # heads over tensor
+    np.testing.assert_array_equal(results["2x1x4/lm/tokens"], results["one/lm/tokens"])
+    # The Translator (and so the CLIs) decodes on every device by default, and gives what one
+    # device's tokens spell.
+    assert facts["translator_devices"] == 8
+    assert facts["translator"] == facts["one_greedy_decoded"]

@@ -1,0 +1,216 @@
+"""Sharded training: the same steps on 1 device, on 8 simulated devices under several meshes,
+and across 2 processes, end with the same parameters; a preemption notice to one of 2 processes
+saves the same step on both, and resuming ends bitwise where the uninterrupted run does."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from flaxformer_lite.core import sharding
+
+from helpers.runs import final_loss, free_port, run_train, saved_state
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def assert_same_params(a, b, atol=1e-5):
+    la, lb = jax.tree_util.tree_leaves(a["params"]), jax.tree_util.tree_leaves(b["params"])
+    assert len(la) == len(lb) > 10
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The tiny run on one device."""
+    workdir = tmp_path_factory.mktemp("one_device")
+    run_train(workdir)
+    return workdir
+
+
+@pytest.mark.parametrize("mesh", ["(8,1,1)", "(1,8,1)", "(2,2,2)"])
+def test_eight_simulated_devices_match_one_device(reference, tmp_path, mesh):
+    out = run_train(tmp_path, f"--config.mesh_shape={mesh}", devices=8)
+    dims = tuple(int(d) for d in mesh.strip("()").split(","))
+    assert f"mesh {{'data': {dims[0]}, 'fsdp': {dims[1]}, 'tensor': {dims[2]}}}" in out.stdout
+    a, _ = saved_state(reference)
+    b, _ = saved_state(tmp_path)
+    assert int(b["step"]) == 6
+    assert final_loss(tmp_path) == pytest.approx(final_loss(reference), abs=1e-5)
+    assert_same_params(a, b)
+
+
+# The 2-process runs: 24 steps with a checkpoint every 6, all kept.
+TWO_PROCESS_STEPS = 24
+TWO_PROCESS = [
+    f"--config.num_train_steps={TWO_PROCESS_STEPS}",
+    "--config.checkpoint_every=6",
+    "--config.keep_checkpoints=10",
+]
+
+
+def start_two_processes(workdir: Path, *extra: str) -> list[subprocess.Popen]:
+    address = f"127.0.0.1:{free_port()}"
+    flags = (f"--coordinator_address={address}", "--num_processes=2", *TWO_PROCESS, *extra)
+    return [run_train(workdir, *flags, f"--process_id={i}", wait=False) for i in range(2)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Every process's output once all have exited; kills them all if that takes too long."""
+    deadline = time.time() + timeout
+    try:
+        return [p.communicate(timeout=max(deadline - time.time(), 1))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        raise AssertionError(
+            f"processes still running after {timeout} s:\n" + "\n".join(o[-2000:] for o in outs)
+        ) from None
+
+
+def run_two_processes(workdir: Path, *extra: str, timeout: float = 600) -> list[str]:
+    procs = start_two_processes(workdir, *extra)
+    outs = finish(procs, timeout)
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+def assert_bitwise_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb) > 10
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The uninterrupted 2-process run (and process 0's output); tests must not write to it."""
+    workdir = tmp_path_factory.mktemp("two_processes")
+    outs = run_two_processes(workdir)
+    return workdir, outs[0]
+
+
+def test_two_processes_match_one_and_their_checkpoint_restores_in_one(
+    reference, two_processes, tmp_path
+):
+    source, out = two_processes
+    assert "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in out
+    a, _ = saved_state(reference)
+    b, data = saved_state(source, step=6)
+    assert int(b["step"]) == 6 and data["train"] == {"index": 6}
+    assert_same_params(a, b)
+    # The 2-process checkpoint restores in a 1-process run, which carries on from it.
+    workdir = tmp_path / "copy"
+    shutil.copytree(source, workdir)
+    end = TWO_PROCESS_STEPS + 2
+    resumed = run_train(workdir, *TWO_PROCESS, f"--config.num_train_steps={end}")
+    assert f"resumed from step {TWO_PROCESS_STEPS}" in resumed.stdout
+    c, _ = saved_state(workdir)
+    assert int(c["step"]) == end
+
+
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(two_processes, tmp_path):
+    """SIGTERM to process 1 only: the runtime's preemption sync point makes both processes save
+    the same step and exit 0; the two resumed processes end bitwise equal to the
+    uninterrupted run."""
+    workdir = tmp_path / "preempted"
+    only_preemption_saves = "--config.checkpoint_every=100"  # the same math, no periodic saves
+    procs = start_two_processes(workdir, only_preemption_saves)
+    try:
+        # Mid-run: process 0 has logged the train metrics of steps 1-3 (log_every=3).
+        metrics, deadline = workdir / "metrics.jsonl", time.time() + 500
+        while not (metrics.exists() and metrics.stat().st_size):
+            assert all(p.poll() is None for p in procs), "a process exited before step 3"
+            assert time.time() < deadline, "no train metrics in time"
+            time.sleep(0.05)
+        # Freeze process 0 (process 1 then waits in the step's collectives) while process 1
+        # takes the notice: the runtime polls its SIGTERM flag once a second, so on a fast
+        # machine the remaining steps could otherwise end before anyone noticed.
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        procs[1].send_signal(signal.SIGTERM)
+        time.sleep(2.5)
+        os.kill(procs[0].pid, signal.SIGCONT)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.communicate()
+        raise
+    outs = finish(procs, timeout=300)
+    steps = []
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]  # a preempted run with its checkpoint: clean exit
+        saving = re.findall(r"SIGTERM: saving step (\d+)", out)
+        assert len(saving) == 1, out[-3000:]
+        steps.append(int(saving[0]))
+        assert "final:" not in out
+    stopped = steps[0]
+    assert steps[1] == stopped and 3 <= stopped < TWO_PROCESS_STEPS, steps
+    print(f"both processes saved step {stopped}")
+    saved = [p.name for p in (workdir / "checkpoints").iterdir()]
+    assert saved == [str(stopped)], saved
+    state, data = saved_state(workdir)
+    assert int(state["step"]) == stopped and data["train"] == {"index": stopped}
+    # Both processes resume and end where the uninterrupted run ended, bit for bit.
+    outs = run_two_processes(workdir, only_preemption_saves)
+    assert f"resumed from step {stopped}" in outs[0]
+    a, data_a = saved_state(two_processes[0])
+    b, data_b = saved_state(workdir)
+    assert int(a["step"]) == int(b["step"]) == TWO_PROCESS_STEPS and data_a == data_b
+    assert_bitwise_equal(a, b)
+
+
+def test_mesh_shape_resolution_and_errors():
+    assert sharding.mesh_shape((-1, 1, 1), 8) == (8, 1, 1)
+    assert sharding.mesh_shape((2, -1, 2), 8) == (2, 2, 2)
+    for bad in [(3, 1, 1), (-1, -1, 1), (0, 1, 1), (2, 2)]:
+        with pytest.raises(ValueError, match="mesh_shape"):
+            sharding.mesh_shape(bad, 8)
+
+
+def test_logical_to_spec_falls_back_rule_by_rule_and_replicates_what_nothing_divides():
+    sizes = {"data": 2, "fsdp": 1, "tensor": 4}
+    to_spec = sharding.logical_to_spec
+    # A vocabulary of 37,003 over 4 tensor-parallel devices: that axis is simply not split.
+    assert to_spec(("vocab", "embed"), (37003, 64), sizes) == PartitionSpec(None, "fsdp")
+    assert to_spec(("vocab", "embed"), (37000, 64), sizes) == PartitionSpec("tensor", "fsdp")
+    # Key/value kernels: kv heads over tensor when it divides them, else the input axis.
+    kv = ("kv_embed", "kv_heads", "kv")
+    assert to_spec(kv, (64, 4, 16), sizes) == PartitionSpec("fsdp", "tensor", None)
+    assert to_spec(kv, (64, 1, 16), sizes) == PartitionSpec(("fsdp", "tensor"), None, None)
+    assert to_spec(kv, (72, 1, 16), {**sizes, "fsdp": 8}) == PartitionSpec("fsdp", None, None)
+    assert to_spec(kv, (66, 2, 16), sizes) == PartitionSpec("fsdp", None, None)  # no tensor
+    assert to_spec(kv, (66, 2, 16), {**sizes, "fsdp": 4}) == PartitionSpec(None, None, None)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4, 8])
+def test_process_rows_partition_the_batch_among_processes(monkeypatch, count):
+    """Process p of P gets rows [p*R/P, (p+1)*R/P) of every array: together, each row exactly
+    once, in order; a row count P does not divide is rejected, naming process_count."""
+    batch = {"x": np.arange(16).reshape(8, 2), "y": np.arange(8)[::-1].copy()}
+    monkeypatch.setattr(jax, "process_count", lambda: count)
+    parts = []
+    for index in range(count):
+        monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+        parts.append(sharding.process_rows(batch))
+    per = 8 // count
+    for index, part in enumerate(parts):
+        assert set(part) == {"x", "y"}
+        np.testing.assert_array_equal(part["y"], batch["y"][index * per : (index + 1) * per])
+    for key in batch:
+        np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), batch[key])
+    if count > 1:
+        with pytest.raises(ValueError, match=f"divisible by process_count \\({count}\\)"):
+            sharding.process_rows({"x": np.arange(count + 1)})
