@@ -11,13 +11,13 @@ The search names are re-exported here: they were ``flaxformer_lite.decoding`` be
 had subfolders.
 """
 
+from flaxformer_lite.decoding.beam import beam_search
 from flaxformer_lite.decoding.search import (
     BEAM_STYLES,
     BOS_ID,
     EARLY_STOPPING,
     EOS_ID,
     PAD_ID,
-    beam_search,
     check_search_options,
     expand_to_beams,
     flatten_beams,

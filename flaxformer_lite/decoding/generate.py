@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxformer_lite import models
 from flaxformer_lite.core import sharding
-from flaxformer_lite.decoding import search as decoding
+from flaxformer_lite.decoding import beam, search
 from flaxformer_lite.decoding.generation_config import (  # noqa: F401  (re-exported)
     BEAM_CACHES,
     METHODS,
@@ -161,7 +161,7 @@ def _search(
         banned_ids=g.banned_ids,
     )
     if g.method == "greedy":
-        return decoding.greedy_search(
+        return search.greedy_search(
             tokens_to_logits,
             cache,
             batch_size=batch_size,
@@ -172,7 +172,7 @@ def _search(
     if g.method == "sample":
         if rng is None:
             raise ValueError("method='sample' needs an explicit rng (a jax.random key)")
-        return decoding.sample(
+        return search.sample(
             tokens_to_logits,
             cache,
             rng,
@@ -184,7 +184,7 @@ def _search(
             initial_tokens=initial_tokens,
             **ids,
         )
-    sequences, scores = decoding.beam_search(
+    sequences, scores = beam.beam_search(
         tokens_to_logits,
         cache,
         batch_size=batch_size,
@@ -457,7 +457,7 @@ def generate_jit(
         encoded = model.apply({"params": params}, inputs, method=model.encode)
         in_place = method == "beam" and generation.beam_cache == "in_place" and beam_size > 1
         if method == "beam" and not in_place:  # one copy of the source per beam, reordered
-            encoded, inputs = decoding.expand_to_beams((encoded, inputs), beam_size)
+            encoded, inputs = search.expand_to_beams((encoded, inputs), beam_size)
         beams = beam_size if in_place else 1  # in place: the source's rows stay one each
         beam_rows = inputs.shape[0] * beams
         cache = _constrain_cache(
@@ -518,7 +518,7 @@ def continue_prompt_jit(
         if in_place:
             # The prompt was written once per row; its beams start as copies of it. A
             # zero-length call adds the beams' ancestry (zeros: every slot from beam 0).
-            cache = _constrain_cache(decoding.expand_to_beams(cache, beam_size), mesh)
+            cache = _constrain_cache(search.expand_to_beams(cache, beam_size), mesh)
             step = _sharded_step(_decoder_call(model, params, beam_size=beam_size), mesh)
             _, cache = step(jnp.zeros((batch_size * beam_size, 0), jnp.int32), cache)
         tokens, scores = _search(

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.decoding import search as decoding
+from flaxformer_lite.decoding.beam import beam_search
 from flaxformer_lite.decoding.search import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
-    beam_search,
     expand_to_beams,
     flatten_beams,
     greedy_search,

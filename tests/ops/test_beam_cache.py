@@ -18,7 +18,7 @@ import pytest
 from flax import traverse_util
 
 from flaxformer_lite.decoding import generate as gen
-from flaxformer_lite.decoding import search as decoding
+from flaxformer_lite.decoding.beam import beam_search
 from flaxformer_lite.models import BEAM_ANCESTORS, DecoderOnly, EncoderDecoder, reorder_beam_cache
 from flaxformer_lite.nn.config import TransformerConfig
 from flaxformer_lite.ops import attention, beam_cache
@@ -202,7 +202,7 @@ def ignoring_parents(config, params, inputs, beam, max_len):
         prime = gen._decoder_call(model, params, encoded, inputs, beam_size=beam)
         _, cache = prime(jnp.zeros((rows * beam, 0), jnp.int32), cache)
         step = gen._decoder_call(model, params, None, inputs, beam_size=beam)
-        return decoding.beam_search(
+        return beam_search(
             step,
             cache,
             reorder_cache=lambda cache, parents: cache,
