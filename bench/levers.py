@@ -16,7 +16,7 @@ every other round), so that machine load hits all alike; tok/s is the median ove
   attention call (per layer) and passed as ``dot_product_attention(..., mask=None,
   bias=bias)``. The models build their masks inside and take no bias, so this swaps, in this
   process and while the step is traced, the ``dot_product_attention`` name that
-  flaxformer_lite.nn.layers calls for a wrapper around the public function; nothing in the
+  flaxformer_lite.nn.attention calls for a wrapper around the public function; nothing in the
   library is edited. Checked: the first step's loss equals the default's.
 * (f) padding: a Multi30k-like corpus (29,000 pairs of random tokens, lengths from a fixed
   seed: normal, mean 16, std 6, target correlated 0.8 with source, clipped to 4..56) batched
@@ -69,7 +69,7 @@ from flaxformer_lite.data.batching import (  # noqa: E402
 )
 from flaxformer_lite.data.packing import pack_examples  # noqa: E402
 from flaxformer_lite.models import EncoderDecoder  # noqa: E402
-from flaxformer_lite.nn import layers as layers_lib  # noqa: E402
+from flaxformer_lite.nn import attention as attention_layer  # noqa: E402
 from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -93,9 +93,9 @@ def additive_bias_masks():
     """While active, the attention layers pass their boolean mask to the public
     ``dot_product_attention`` as an additive float32 bias of the same shape (built in every
     call, i.e. per layer) and ``mask=None``. Nothing in the library is edited: this swaps, in
-    this process, the name flaxformer_lite.nn.layers calls, for the duration of tracing. Yields
+    this process, the name flaxformer_lite.nn.attention calls, for the duration of tracing. Yields
     the list of bias shapes built, so that a caller can tell that the swap took effect."""
-    original = layers_lib.dot_product_attention
+    original = attention_layer.dot_product_attention
     shapes = []
 
     def with_bias(query, key, value, mask=None, bias=None, **kwargs):
@@ -105,11 +105,11 @@ def additive_bias_masks():
             shapes.append(tuple(additive.shape))
         return original(query, key, value, None, bias, **kwargs)
 
-    layers_lib.dot_product_attention = with_bias
+    attention_layer.dot_product_attention = with_bias
     try:
         yield shapes
     finally:
-        layers_lib.dot_product_attention = original
+        attention_layer.dot_product_attention = original
 
 
 def flag_variant(field: str) -> tuple[dict | None, str, str | None]:
@@ -130,7 +130,7 @@ def build(spec: dict, *, donate=True, bias=False, params=None, **overrides) -> d
         return {"error": f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
     if bias and not shapes:
         return {
-            "error": "skipped: the layers no longer call flaxformer_lite.nn.layers."
+            "error": "skipped: the layers no longer call flaxformer_lite.nn.attention."
             "dot_product_attention, so masks could not be turned into a bias"
         }
     out = {"run": run, "compile_s": compile_s}

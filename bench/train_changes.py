@@ -6,7 +6,7 @@ are kept here and swapped in, in this process only, while a variant is traced.
 
   loss_grad   losses.smoothed_cross_entropy with autodiff's gradient (the one-hot scatter,
               the broadcast smoothing term) instead of the hand-written one-pass gradient
-  tied_bwd    layers.tied_logits as a plain einsum: XLA copies the logits' gradient into a
+  tied_bwd    embed.tied_logits as a plain einsum: XLA copies the logits' gradient into a
               transposed layout for the embedding's gradient
   argmax      losses.correct_predictions with jnp.argmax's (value, index) reduction
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import train_step as ts  # noqa: E402
 
-from flaxformer_lite.nn import layers  # noqa: E402
+from flaxformer_lite.nn import embed  # noqa: E402
 from flaxformer_lite.training import losses
 
 
@@ -62,7 +62,7 @@ def old_correct_predictions(logits, labels, weights):
 
 UNDO = {
     "loss_grad": (losses, "smoothed_cross_entropy", old_smoothed_cross_entropy),
-    "tied_bwd": (layers, "tied_logits", old_tied_logits),
+    "tied_bwd": (embed, "tied_logits", old_tied_logits),
     "argmax": (losses, "correct_predictions", old_correct_predictions),
 }
 VARIANTS = {

@@ -6,14 +6,11 @@ live in submodules that import their own heavier dependencies.
 
 from flaxformer_lite import _moved
 from flaxformer_lite.models import Decoder, DecoderOnly, Encoder, EncoderClassifier, EncoderDecoder
+from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.config import TransformerConfig
-from flaxformer_lite.nn.layers import (
-    DecoderLayer,
-    Embed,
-    EncoderLayer,
-    MlpBlock,
-    MultiHeadAttention,
-)
+from flaxformer_lite.nn.embed import Embed
+from flaxformer_lite.nn.layers import DecoderLayer, EncoderLayer
+from flaxformer_lite.nn.mlp import MlpBlock
 from flaxformer_lite.ops import attention, masks, positions
 from flaxformer_lite.ops.attention import dot_product_attention
 

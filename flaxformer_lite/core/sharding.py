@@ -102,8 +102,8 @@ def cache_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
     """Where one entry of a decoding key/value cache lives.
 
     Keys and values `[batch, kv_heads, length, head_dim]` (stored heads first,
-    ``layers.heads_first``) put the batch on data x fsdp and the kv heads on tensor, each only
-    where the mesh axis divides the dimension (multi-query attention's single kv head stays
+    ``ops.kv_cache.heads_first``) put the batch on data x fsdp and the kv heads on tensor, each
+    only where the mesh axis divides the dimension (multi-query attention's single kv head stays
     whole on every tensor-parallel device). Another entry has its leading axis split like a
     batch when that divides; scalars (``cache_index``) are replicated.
     """

@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward block: top-k routing with a capacity per expert.
 
 The pure functions do the routing arithmetic; ``MoeBlock`` holds the router and the expert
-weights and replaces ``layers.MlpBlock`` in the layers that ``TransformerConfig.moe_every``
+weights and replaces ``nn.mlp.MlpBlock`` in the layers that ``TransformerConfig.moe_every``
 selects.
 
 Routing, for each group of tokens (one sequence of the batch, so groups never span devices):

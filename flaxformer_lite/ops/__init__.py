@@ -3,5 +3,6 @@
 ``attention`` (dot-product attention and its kernel switch), ``blockwise`` (the memory-efficient
 kernel), ``shapes`` (the operand checks every kernel shares), ``masks``, ``positions``
 (sinusoidal, rotary, relative buckets), ``activations``, ``quantize`` (int8 weights and matmul),
-``beam_cache`` (attention over a beam cache that never moves).
+``kv_cache`` (the decoding key/value cache: full or ring buffer), ``beam_cache`` (attention over
+a beam cache that never moves).
 """

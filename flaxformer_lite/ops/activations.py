@@ -1,5 +1,5 @@
 """The feed-forward non-linearities by name: the one list that ``TransformerConfig.activation``
-is checked against and ``layers.MlpBlock`` applies."""
+is checked against and ``nn.mlp.MlpBlock`` applies."""
 
 from __future__ import annotations
 

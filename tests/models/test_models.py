@@ -365,8 +365,8 @@ def test_parameter_paths_unchanged():
 
 
 def test_tied_logits_gradient_equals_autodiff_of_the_einsum():
-    """layers.tied_logits takes the table's gradient as (x^T g)^T; it equals autodiff's."""
-    from flaxformer_lite.nn.layers import tied_logits
+    """embed.tied_logits takes the table's gradient as (x^T g)^T; it equals autodiff's."""
+    from flaxformer_lite.nn.embed import tied_logits
 
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k1, (3, 5, 8))

@@ -252,7 +252,7 @@ def test_softmax_stays_float32_under_bfloat16_attention_function():
 def test_softmax_stays_float32_under_bfloat16_attention_module():
     """The same logits through ``MultiHeadAttention(dtype=bfloat16)`` with identity
     projections (keys and values from ``inputs_kv``), against the float64 reference layer."""
-    from flaxformer_lite.nn.layers import MultiHeadAttention
+    from flaxformer_lite.nn.attention import MultiHeadAttention
 
     eye = np.eye(4, dtype=np.float32)
     proj = {"kernel": eye[:, None, :], "bias": np.zeros((1, 4), np.float32)}

@@ -19,7 +19,7 @@ import pytest
 import train
 from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig
 from flaxformer_lite.nn import moe
-from flaxformer_lite.nn.layers import MlpBlock
+from flaxformer_lite.nn.mlp import MlpBlock
 
 from helpers.runs import final_loss, run_train, saved_state
 

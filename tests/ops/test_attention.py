@@ -204,7 +204,7 @@ def _mha_inputs():
 @pytest.mark.parametrize("fused", [False, True])
 def test_rotary_self_attention_same_with_and_without_decode_when_no_cache_is_read(fused):
     # decode=True on a layer without a cache (the init call) used to skip rotating the keys.
-    from flaxformer_lite.nn.layers import MultiHeadAttention
+    from flaxformer_lite.nn.attention import MultiHeadAttention
 
     x, _ = _mha_inputs()
     mha = MultiHeadAttention(num_heads=2, head_dim=8, use_rotary=True, fused_qkv=fused)
@@ -223,7 +223,7 @@ def test_rotary_self_attention_same_with_and_without_decode_when_no_cache_is_rea
 def test_rotary_cross_attention_same_with_and_without_decode():
     # With decode=True the projected encoder keys are cached: they must be stored rotated,
     # and a later call that reads them back must give the same result too.
-    from flaxformer_lite.nn.layers import MultiHeadAttention
+    from flaxformer_lite.nn.attention import MultiHeadAttention
 
     x, enc = _mha_inputs()
     mha = MultiHeadAttention(num_heads=2, head_dim=8, use_rotary=True, cross_attention=True)
@@ -236,7 +236,7 @@ def test_rotary_cross_attention_same_with_and_without_decode():
 
 
 def test_weights_are_sown_only_on_request_and_match_across_implementations():
-    from flaxformer_lite.nn.layers import MultiHeadAttention
+    from flaxformer_lite.nn.attention import MultiHeadAttention
     from flaxformer_lite.ops.masks import AttentionMask
 
     x, _ = _mha_inputs()

@@ -1,0 +1,49 @@
+"""The models' embedding tables and the embedder that adds absolute positions to them."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from flaxformer_lite.nn.config import TransformerConfig
+from flaxformer_lite.nn.embed import Embed
+from flaxformer_lite.ops import positions as pos_lib
+
+Array = jax.Array
+
+
+def make_embedding(
+    config: TransformerConfig, vocab_size: int, name: str, *, attends: bool = False
+) -> Embed:
+    """The table `[vocab_size, d_model]` named ``name``. attends: the table also gives the
+    output logits (a quantized model then keeps an int8 copy for them; see
+    ``Embed.int8_attend``)."""
+    return Embed(
+        vocab_size,
+        config.d_model,
+        dtype=config.compute_dtype,
+        param_dtype=config.parameter_dtype,
+        scale=config.scale_embeddings,
+        int8_attend=attends and config.tie_output_embedding and config.quantization is not None,
+        name=name,
+    )
+
+
+class Embedder(nn.Module):
+    """Token embedding (scaled by sqrt(d_model) unless ``scale_embeddings=False``) + absolute
+    positions + dropout: int `[batch, length]` -> `[batch, length, d_model]`."""
+
+    config: TransformerConfig
+    embedding: Embed
+
+    @nn.compact
+    def __call__(self, tokens: Array, positions: Array, *, deterministic: bool) -> Array:
+        cfg = self.config
+        x = self.embedding(tokens)
+        if cfg.position == "sinusoidal":
+            x = pos_lib.add_sinusoidal(x, positions, cfg.max_len, cfg.sinusoid_layout)
+        elif cfg.position == "learned":
+            x = pos_lib.LearnedPositions(
+                cfg.max_len, cfg.d_model, cfg.parameter_dtype, name="positions"
+            )(x, positions)
+        return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)

@@ -1,0 +1,87 @@
+"""Kernels that may be int8: their parameters, their matmul, and ``Int8Dense``.
+
+Every kernel carries logical axis names ("embed", "heads", "kv", "mlp", "vocab"; key/value
+projections "kv_embed" and "kv_heads", see ``sharding.LOGICAL_RULES``) through
+``nn.with_logical_partitioning`` (``logical_init``), so sharding rules can place it without
+touching the layers. With ``quantization="int8"`` a kernel is stored as int8 with a float32
+scale per output channel, as ``quantize.quantize_params`` writes them, and multiplied in int8
+(``quantize.int8_matmul``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.ops.quantize import SCALE_SUFFIX, int8_matmul
+
+Array = jax.Array
+Dtype = Any
+
+_zeros = nn.initializers.zeros_init()
+_ones = nn.initializers.ones_init()
+
+
+def logical_init(init: Callable, names: tuple[str | None, ...]) -> Callable:
+    """``init`` whose parameter carries the logical axis ``names`` (one per axis)."""
+    return nn.with_logical_partitioning(init, names)
+
+
+def make_kernel(
+    module: nn.Module,
+    name: str,
+    init: Callable,
+    names: tuple[str | None, ...],
+    shape: tuple[int, ...],
+    param_dtype: Dtype,
+    quantization: str | None,
+    in_axes: int = 1,
+) -> tuple[Array, Array | None]:
+    """A kernel `[in..., out...]` (``in_axes`` input axes) and None; with
+    ``quantization="int8"`` an int8 kernel and its per-output-channel scale `[out...]`
+    (parameter ``<name>_scale``), as ``quantize.quantize_params`` writes them."""
+    if quantization is None:
+        return module.param(name, logical_init(init, names), shape, param_dtype), None
+    kernel = module.param(name, logical_init(_zeros, names), shape, jnp.int8)
+    scale_names, scale_shape = names[in_axes:], shape[in_axes:]
+    scale = module.param(
+        name + SCALE_SUFFIX, logical_init(_ones, scale_names), scale_shape, jnp.float32
+    )
+    return kernel, scale
+
+
+def kernel_matmul(
+    subscripts: str, x: Array, kernel: Array, scale: Array | None, dtype: Dtype, in_axes: int = 1
+) -> Array:
+    """``einsum(subscripts, x, kernel)`` in ``dtype``; with a ``scale`` (an int8 kernel) the
+    int8 x int8 -> int32 matmul of ``quantize.int8_matmul`` instead."""
+    if scale is None:
+        return jnp.einsum(subscripts, x.astype(dtype), kernel.astype(dtype))
+    return int8_matmul(x, kernel, scale, in_axes).astype(dtype)
+
+
+class Int8Dense(nn.Module):
+    """``nn.Dense`` with an int8 kernel: `[..., in]` -> `[..., features]`.
+
+    Parameters as ``nn.Dense``'s (``kernel`` `[in, features]`, int8 here, and ``bias``) plus
+    ``kernel_scale`` `[features]`; ``names``: the kernel's logical axes.
+    """
+
+    features: int
+    names: tuple[str, str]
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        shape = (x.shape[-1], self.features)
+        kernel, scale = make_kernel(self, "kernel", _zeros, self.names, shape, jnp.int8, "int8")
+        y = int8_matmul(x, kernel, scale).astype(self.dtype)
+        if self.use_bias:
+            bias = self.param("bias", logical_init(_zeros, self.names[1:]), (self.features,))
+            y = y + bias.astype(self.dtype)
+        return y

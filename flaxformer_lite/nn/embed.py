@@ -1,0 +1,92 @@
+"""Token embeddings, and the tied pre-softmax logits that read the same table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.nn.dense import logical_init, make_kernel
+from flaxformer_lite.ops.quantize import int8_matmul
+
+Array = jax.Array
+Dtype = Any
+
+_zeros = nn.initializers.zeros_init()
+
+
+class Embed(nn.Module):
+    """Token embedding `[vocab, features]` with ``attend`` for tied pre-softmax logits.
+
+    Initialised N(0, features^-1/2): multiplied by sqrt(features) on lookup (the paper's scaling),
+    the embedded tokens have unit variance, the scale of the sinusoids they are added to.
+    ``scale=False`` looks tokens up unscaled (Marian models with ``scale_embedding=False``).
+    ``int8_attend``: ``attend`` multiplies in int8 by ``attend_kernel`` int8 `[features, vocab]`
+    (the table transposed, quantized per vocabulary entry, with ``attend_kernel_scale``
+    `[vocab]`; ``quantize.quantize_params``), while lookups keep reading the float table.
+    """
+
+    num_embeddings: int
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    scale: bool = True
+    int8_attend: bool = False
+
+    def setup(self) -> None:
+        self.embedding = self.param(
+            "embedding",
+            logical_init(nn.initializers.normal(self.features**-0.5), ("vocab", "embed")),
+            (self.num_embeddings, self.features),
+            self.param_dtype,
+        )
+        if self.int8_attend:
+            shape = (self.features, self.num_embeddings)
+            self.attend_kernel, self.attend_scale = make_kernel(
+                self, "attend_kernel", _zeros, ("embed", "vocab"), shape, jnp.int8, "int8"
+            )
+
+    def __call__(self, tokens: Array) -> Array:
+        """int `[batch, length]` -> `[batch, length, features]`, scaled by sqrt(features)
+        when ``scale``."""
+        table = jnp.asarray(self.embedding, self.dtype)
+        x = jnp.take(table, tokens, axis=0)
+        return x * jnp.asarray(self.features**0.5, self.dtype) if self.scale else x
+
+    def attend(self, x: Array) -> Array:
+        """`[batch, length, features]` -> logits `[batch, length, vocab]` (x times table^T)."""
+        if self.int8_attend:
+            return int8_matmul(x, self.attend_kernel, self.attend_scale).astype(self.dtype)
+        table = jnp.asarray(self.embedding, self.dtype)
+        return tied_logits(x.astype(self.dtype), table)
+
+
+@jax.custom_vjp
+def tied_logits(x: Array, table: Array) -> Array:
+    """`[..., features]` x `[vocab, features]` -> `[..., vocab]`: ``x @ table.T``.
+
+    The gradient of ``table`` is taken as ``(x^T @ g)^T``: the `[features, vocab]` product,
+    then its transpose. Autodiff's ``g^T @ x`` makes XLA's CPU backend (its YNNPACK dots take
+    row-major operands only) copy the logits' gradient `[tokens, vocab]` into a transposed
+    layout first, the largest array of the step (64 MB at 2,048 tokens x 8,192 ids); here
+    only ``x`` (`[tokens, features]`) and the result (`[features, vocab]`) are transposed.
+    An ``optimization_barrier`` keeps XLA from folding the transpose back into the dot.
+    """
+    return jnp.einsum("...d,vd->...v", x, table)
+
+
+def _tied_logits_fwd(x, table):
+    return tied_logits(x, table), (x, table)
+
+
+def _tied_logits_bwd(residuals, g):
+    x, table = residuals
+    d_x = jnp.einsum("...v,vd->...d", g, table)
+    flat_x, flat_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    d_table_t = jax.lax.optimization_barrier(flat_x.T @ flat_g)  # [features, vocab]
+    return d_x, d_table_t.T.astype(table.dtype)
+
+
+tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)

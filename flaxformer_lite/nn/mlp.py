@@ -1,0 +1,59 @@
+"""The position-wise feed-forward block (the paper's section 3.3) and its gated variants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.nn.dense import Int8Dense, logical_init
+from flaxformer_lite.ops.activations import ACTIVATIONS, GATED
+
+Array = jax.Array
+Dtype = Any
+
+_xavier = nn.initializers.xavier_uniform()
+_zeros = nn.initializers.zeros_init()
+
+
+class MlpBlock(nn.Module):
+    """Position-wise feed-forward network: `[..., features]` -> `[..., features]`.
+
+    "relu" is the paper's max(0, xW1 + b1)W2 + b2; "gelu" swaps the non-linearity; "swiglu" and
+    "geglu" are the gated variants act(xW_gate) * (xW_up) W_down (Shazeer 2020). The names are
+    ``activations.ACTIVATIONS``. No dropout inside: the paper's residual dropout follows the
+    block (``residual``). ``quantization="int8"``: ``Int8Dense`` layers instead of ``nn.Dense``.
+    """
+
+    d_ff: int
+    activation: str = "relu"
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    quantization: str | None = None
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        def dense(features: int, names: tuple[str, str], name: str) -> nn.Module:
+            if self.quantization is not None:
+                return Int8Dense(features, names, self.use_bias, self.dtype, name=name)
+            return nn.Dense(
+                features,
+                use_bias=self.use_bias,
+                kernel_init=logical_init(_xavier, names),
+                bias_init=logical_init(_zeros, (names[1],)),
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name=name,
+            )
+
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {tuple(ACTIVATIONS)}; got {self.activation!r}"
+            )
+        h = ACTIVATIONS[self.activation](dense(self.d_ff, ("embed", "mlp"), "wi")(x))
+        if self.activation in GATED:
+            h = h * dense(self.d_ff, ("embed", "mlp"), "wi_up")(x)
+        return dense(x.shape[-1], ("mlp", "embed"), "wo")(h)
