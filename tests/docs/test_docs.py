@@ -37,7 +37,7 @@ def doc_texts() -> dict[str, str]:
 # `python -m flaxformer_lite.cli.translate`, also wrapped after `-m` in prose.
 RUN_MODULE = re.compile(r"python\s+-m\s+(flaxformer_lite(?:\.\w+)*)")
 # `from flaxformer_lite.interop.hf import a, b` or `... import (a, b)` over several lines.
-FROM_IMPORT = re.compile(r"from\s+(flaxformer_lite(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n]+)")
+FROM_IMPORT = re.compile(r"from\s+(flaxformer_lite(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n`]+)")
 # Any dotted name under the package (`flaxformer_lite.decoding.generate.continue_prompt`).
 DOTTED = re.compile(r"\bflaxformer_lite(?:\.\w+)+")
 # Source files named by path: flaxformer_lite/ops/quantize.py, tests/test_hf_*.py, bench/x.py.
