@@ -784,6 +784,11 @@ def train_and_evaluate(
             eval_step, model=model, kind=task.kind, label_smoothing=config.label_smoothing
         )
     )
+    writer = MetricWriter(workdir, active=is_main)
+    # Rows past the step this run starts from came from a run that died before its next
+    # checkpoint: this run writes those steps again, so they go to a file of their own.
+    if moved := writer.set_aside_rows_after(int(state.step)):
+        log(moved)
     run = Run(
         config=config,
         task=task,
@@ -791,7 +796,7 @@ def train_and_evaluate(
         mesh=mesh,
         eval_fn=eval_fn,
         checkpointer=checkpointer,
-        writer=MetricWriter(workdir, active=is_main),
+        writer=writer,
         log=log,
     )
 
