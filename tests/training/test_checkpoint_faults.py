@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -123,6 +124,7 @@ def test_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes_bitwise(sma
     assert "Traceback" not in err and "RESOURCE_EXHAUSTED" not in err, err[-3000:]
     # Stopped at a step boundary soon after the failure, not at the end of its 60 steps.
     assert "final:" not in out
+    assert max(int(n) for n in re.findall(r"(\d+)/60", err)) < 60, err[-3000:]
     assert sorted(os.listdir(mount)) == ["3", "6"]  # the partial 9.orbax-checkpoint-tmp is gone
     assert {s: digests(mount / str(s)) for s in (3, 6)} == before
     assert not (workdir / "metrics.jsonl").exists() or not [
