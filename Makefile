@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= runs/default
 CONFIG ?= configs/default.py
 
-.PHONY: train test lint format bench multi30k clean
+.PHONY: train test lint format bench docs multi30k clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,11 @@ bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py $(BENCH_ARGS)
 
-# Multi30k En-De (README "Results"): train, then BLEU on test2016 with the config's beam and alpha.
+# The documentation site (docs/, MyST Markdown + autodoc): every warning is an error.
+docs: $(VENV)/.installed
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+
+# Multi30k En-De (docs/results.md): train, then BLEU on test2016 with the config's beam and alpha.
 M30K_DATA ?= ../shared/data/multi30k
 M30K_WORKDIR ?= runs/m30k
 multi30k: $(VENV)/.installed
@@ -48,4 +52,4 @@ multi30k: $(VENV)/.installed
 		--output $(M30K_WORKDIR)/test2016.hyp --report $(M30K_WORKDIR)/test2016.json
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs docs/_build

@@ -11,6 +11,9 @@ uninterrupted one would. SIGTERM (a preemption notice) to any process, or a firs
 every process save the same step and exit 0: the checkpoint is safely written, so rerunning the
 command resumes (a second Ctrl-C aborts at once). A second run on a workdir that a live run holds
 refuses before any work (training/run_lock.py; --break_lock overrides).
+A save that fails (a full disk) stops the run at the next step with one line naming the intact
+checkpoints; a newest checkpoint that cannot be read is skipped, loudly, for the newest readable
+one (or --config.restore_step=N picks the step).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxformer_lite.core import paths, sharding
+from flaxformer_lite.core.checkpoint_errors import CheckpointError
 from flaxformer_lite.core.checkpoints import Checkpointer
 from flaxformer_lite.data import reading as data
 from flaxformer_lite.data import tasks
@@ -44,7 +48,7 @@ from flaxformer_lite.interop import init_from
 from flaxformer_lite.models import DecoderOnly, EncoderClassifier, EncoderDecoder
 from flaxformer_lite.nn import moe
 from flaxformer_lite.nn.config import TransformerConfig
-from flaxformer_lite.training import flops, losses, optim, preflight, run_lock
+from flaxformer_lite.training import checkpoint_faults, flops, losses, optim, preflight, run_lock
 from flaxformer_lite.training.metrics import MetricWriter
 from flaxformer_lite.training.preemption import Preemption
 
@@ -708,12 +712,15 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(state.params))
     log(f"model: {type(model).__name__}, {num_params:,} parameters, mesh {dict(mesh.shape)}")
 
-    # Resume from the latest checkpoint, if any; else start from pretrained weights if asked.
+    # Resume from the latest readable checkpoint (or config.restore_step), if any; else start
+    # from pretrained weights if asked.
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
-    if checkpointer.latest_step() is not None:
-        state, data_state = checkpointer.restore(state)
+    resumed = checkpoint_faults.restore_for_resume(
+        checkpointer, state, restore_step=config.get("restore_step"), log=log, warn=warn(is_main)
+    )
+    if resumed is not None:
+        state, data_state = resumed
         task.train.restore(data_state["train"])
-        log(f"resumed from step {int(state.step)} ({checkpointer.directory})")
         if config.get("init_from"):
             log(f"init_from {config.init_from} ignored: the run resumes from its own checkpoint")
     elif config.get("init_from"):
@@ -744,6 +751,11 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
             eval_step, model=model, kind=task.kind, label_smoothing=config.label_smoothing
         )
     )
+    writer = MetricWriter(workdir, active=is_main)
+    # Rows past the step this run starts from came from a run that died before its next
+    # checkpoint: this run writes those steps again, so they go to a file of their own.
+    if moved := writer.set_aside_rows_after(int(state.step)):
+        log(moved)
     run = Run(
         config=config,
         task=task,
@@ -751,7 +763,7 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
         mesh=mesh,
         eval_fn=eval_fn,
         checkpointer=checkpointer,
-        writer=MetricWriter(workdir, active=is_main),
+        writer=writer,
         log=log,
     )
 
@@ -805,7 +817,9 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                 eval_now = bool(config.eval_every) and done % config.eval_every == 0
                 preempted = preemption.reached(done - start_step)  # every step, in order
                 stop = preempted or (stop_at is not None and done >= stop_at)
-                if not (compiles or log_now or save_now or eval_now or stop):
+                sync_point = compiles or log_now or save_now or eval_now or stop
+                save_failed = checkpoint_faults.save_failed(checkpointer, sync_point=sync_point)
+                if not (sync_point or save_failed):
                     continue
                 # A sync point: wait for the pending steps (a non-finite one raises before
                 # anything is saved after it) and stop the clock while logging, saving and
@@ -813,6 +827,8 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                 sync(window, pending)
                 pending = []
                 window.stop_clock(clock())
+                if save_failed:  # the steps since the last intact checkpoint are lost: no row
+                    checkpoint_faults.raise_save_failure(checkpointer)
                 if log_now or stop:  # a stopped run logs its last, partial window
                     write_train_line(run, done, window, peak, bar)
                     window = LogWindow()
@@ -838,9 +854,14 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
     finally:
         bar.close()
         preemption.close()
-        checkpointer.close()
         run.writer.close()
+        checkpointer.close()  # last: raises a save failure it is the first to see
     return eval_metrics
+
+
+def warn(is_main: bool) -> Callable[[str], None]:
+    """Prints a line to stderr on process 0 (a fault the user must see among the progress)."""
+    return (lambda line: print(line, file=sys.stderr, flush=True)) if is_main else (lambda _: None)
 
 
 def main(argv: list[str]) -> None:
@@ -852,7 +873,7 @@ def main(argv: list[str]) -> None:
     config = _CONFIG.value
     try:
         metrics = train_and_evaluate(config, _WORKDIR.value, break_lock=_BREAK_LOCK.value)
-    except (preflight.ConfigError, data.DataError, run_lock.WorkdirInUse) as e:  # one line
+    except (preflight.ConfigError, data.DataError, CheckpointError, run_lock.WorkdirInUse) as e:
         raise SystemExit(f"error: {e}") from None
     except KeyboardInterrupt:  # a second Ctrl-C (or one before the loop): nothing more saved
         print("Ctrl-C: aborted; rerun to resume from the latest checkpoint", file=sys.stderr)

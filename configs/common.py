@@ -31,6 +31,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Resuming a workdir: fields (comma-separated, as a resume error names them) that may differ
     # from the run's saved config.json besides the always-safe ones (preflight.SAFE_CHANGES).
     c.allow_changes = ""
+    # Resume from this checkpoint step instead of the newest readable one (None: the newest);
+    # the newer steps are moved to checkpoints-set-aside/ and trained again.
+    c.restore_step = ml_collections.config_dict.placeholder(int)
 
     # Devices: (data, fsdp, tensor); -1 fills the remaining devices.
     c.mesh_shape = (-1, 1, 1)

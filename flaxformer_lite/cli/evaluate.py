@@ -6,7 +6,8 @@
 Every path (workdir, source, reference, output, report) may be a ``gs://`` URI. They are
 checked before the model is loaded (as in ``translate``): a missing or folder ``--source`` /
 ``--reference``, an ``--output`` / ``--report`` in a missing folder or naming a folder, or both
-naming the same file, ends the command with one ``error: argument --NAME: ...`` line (exit 2).
+naming the same file, ends the command with one ``error: argument --NAME: ...`` line (exit 2);
+so does a source or reference that is not UTF-8 (the file, line and byte named).
 
 Prints the cased BLEU with sacrebleu's signature (the line to publish: it pins the tokenizer,
 smoothing and version), the lowercased BLEU, and the exact-match rate; writes the hypotheses
@@ -28,7 +29,7 @@ from flaxformer_lite.cli.translate import (
     check_paths,
     generation_from_flags,
     plain_warnings,
-    read_lines,
+    read_input,
     write_lines,
 )
 from flaxformer_lite.core import paths
@@ -57,7 +58,7 @@ def bleu_report(hypotheses: Sequence[str], references: Sequence[str]) -> dict[st
     }
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flaxformer_lite.cli.evaluate",
         description="Translate a source file and score it against references with sacrebleu.",
@@ -69,6 +70,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--report", default=None, help="write the scores and decoding settings here (JSON)"
     )
+    return parser
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    parser = parser or make_parser()
     args = parser.parse_args(argv)
     check_decoding_flags(parser, args)
     check_paths(
@@ -84,11 +92,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parse_args(argv, parser)
     plain_warnings()
 
     try:
-        sources, references = read_lines(args.source), read_lines(args.reference)
+        sources = read_input(parser, "--source", args.source)
+        references = read_input(parser, "--reference", args.reference)
         if len(sources) != len(references):
             raise ValueError(
                 f"{args.source} has {len(sources)} lines but {args.reference} has "

@@ -12,7 +12,8 @@ batched by length).
 Flags are checked before the model is loaded: an ``--input`` that is missing or a folder, an
 ``--output`` in a folder that does not exist or that is itself a folder, or a decoding option
 out of range ends the command at once with one ``error: argument --NAME: ...`` line (exit 2),
-nothing read or written.
+nothing read or written. An input that is not UTF-8 ends it the same way, naming the file (or
+stdin), the line and the byte (a file is read before the model is loaded, stdin after).
 """
 
 from __future__ import annotations
@@ -29,17 +30,35 @@ from flaxformer_lite.decoding.generation_config import METHODS, GenerationConfig
 from flaxformer_lite.inference.translator import Translator
 
 
+class NotUtf8Error(ValueError):
+    """A text input holds bytes that are not UTF-8 (the message names the file, line and byte)."""
+
+
+def decode_utf8(data: bytes, name: str) -> str:
+    """``data`` decoded as UTF-8; else :class:`NotUtf8Error` naming ``name`` (the file), the
+    line (1-based, counting "\\n") and the first bad byte's position in it (1-based)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - data.rfind(b"\n", 0, e.start)  # rfind: -1 on the first line
+        raise NotUtf8Error(
+            f"{name} line {line}: byte {column} (0x{data[e.start]:02x}) is not UTF-8; convert "
+            "the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
 def read_lines(path: str | None) -> list[str]:
     """Lines of ``path`` (local or ``gs://``; stdin for None or "-"), split on "\\n" only,
-    without the newline.
+    without the newline. Raises :class:`NotUtf8Error` on bytes that are not UTF-8.
 
     Universal newlines would also split on "\\r", U+2028, U+0085 ... inside a sentence and
     shift every later output line against its input.
     """
     if path in (None, "-"):
-        text = sys.stdin.buffer.read().decode("utf-8")
+        text = decode_utf8(sys.stdin.buffer.read(), "stdin")
     else:
-        text = epath.Path(path).read_bytes().decode("utf-8")
+        text = decode_utf8(epath.Path(path).read_bytes(), path)
     if not text:
         return []
     lines = text.split("\n")
@@ -124,6 +143,15 @@ def check_paths(
             parser.error(f"argument {flag}: {problem}")
 
 
+def read_input(parser: argparse.ArgumentParser, flag: str, path: str | None) -> list[str]:
+    """:func:`read_lines` of ``path``; an input that is not UTF-8 is ``parser.error`` (exit 2,
+    one line naming ``flag``, the file, the line and the byte)."""
+    try:
+        return read_lines(path)
+    except NotUtf8Error as e:
+        parser.error(f"argument {flag}: {e}")
+
+
 def plain_warnings() -> None:
     """Prints warnings as ``warning: message`` lines: a CLI user needs the message (e.g. how
     many lines were truncated), not the library line that raised it."""
@@ -193,7 +221,7 @@ def generation_from_flags(args: argparse.Namespace, default: GenerationConfig) -
     return default.replace(**fields, **sampling)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flaxformer_lite.cli.translate",
         description="Translate sentences (one per line) with a trained flaxformer_lite workdir.",
@@ -201,6 +229,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_decoding_flags(parser)
     parser.add_argument("--input", default=None, help="source file (default: stdin)")
     parser.add_argument("--output", default=None, help="output file (default: stdout)")
+    return parser
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    parser = parser or make_parser()
     args = parser.parse_args(argv)
     check_decoding_flags(parser, args)
     check_paths(parser, [("--input", args.input)], [("--output", args.output)])
@@ -208,14 +243,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parse_args(argv, parser)
     plain_warnings()
 
+    # A file is read (a bad one refused) before the model loads; stdin after, so that a bad
+    # --workdir is reported at once rather than after the user has typed the input.
+    stdin = args.input in (None, "-")
     try:
+        sentences = None if stdin else read_input(parser, "--input", args.input)
         translator = Translator.from_pretrained(
             args.workdir, step=args.step, average=args.average, quantize=args.quantize
         )
-        sentences = read_lines(args.input)
+        if stdin:
+            sentences = read_input(parser, "--input", args.input)
         outputs = translator.translate(
             sentences,
             generation_from_flags(args, translator.generation),

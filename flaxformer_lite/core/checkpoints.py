@@ -6,12 +6,19 @@ leaves the previous checkpoint intact; the unfinished step is ignored on restart
 asynchronous: training continues while the arrays are written. The directory may be local or a
 ``gs://`` URI (tensorstore writes the arrays there directly). ``choose_steps`` finds the
 steps a reader loads: the latest finished one, a given one, or the last few for averaging.
+
+A failed save (a full disk) is raised as one ``checkpoint_errors.SaveError`` at the next
+``save``, ``wait`` or ``close`` (or seen without waiting through ``save_failure``), and its
+partial directory is removed; a checkpoint that cannot be read raises ``UnreadableCheckpoint``
+naming the step and the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,6 +28,14 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from flaxformer_lite.core import paths
+from flaxformer_lite.core.checkpoint_errors import (
+    QuietOrbaxFailures,
+    SaveError,
+    UnreadableCheckpoint,
+    cause_of,
+    quiet_failed_save_leftovers,
+    unreadable,
+)
 
 
 class _Manager(ocp.CheckpointManager):
@@ -57,6 +72,10 @@ class Checkpointer:
             },
         )
         self._last_saved: int | None = None
+        self._failure: SaveError | None = None
+        self._quiet = QuietOrbaxFailures()  # a failed save is raised once, as one SaveError
+        logging.getLogger("absl").addFilter(self._quiet)
+        quiet_failed_save_leftovers()
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -65,49 +84,144 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
-        """Saves ``step`` unless it is already saved (or being saved); returns whether it did."""
+        """Saves ``step`` unless it is already saved (or being saved); returns whether it did.
+
+        Raises:
+          SaveError: this save, or the asynchronous one before it, failed.
+        """
+        self._finish()  # a failure of the save in flight belongs to its step, not this one
         if step == self._last_saved or step in self.all_steps():
             return False
         self._last_saved = step
-        return self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
-            ),
-            force=force,
-        )
+        try:
+            return self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
+                ),
+                force=force,
+            )
+        except Exception as e:
+            raise self._failed(step, e) from e
+
+    def save_failure(self) -> SaveError | None:
+        """The failure of this checkpointer's saves, if one has ended in failure; never waits
+        (a save still being written is not asked), so the train loop asks at every step."""
+        if self._failure is None:
+            # Orbax's background thread that writes and then commits an asynchronous save.
+            thread = self._manager._finalize_thread.get()  # noqa: SLF001
+            if thread is not None and not thread.is_alive() and thread.exception is not None:
+                with contextlib.suppress(SaveError):
+                    self._finish()
+        return self._failure
+
+    def _finish(self) -> None:
+        """Waits for the save in flight; raises SaveError if it (or an earlier one) failed."""
+        if self._failure is not None:
+            raise self._failure
+        thread = self._manager._finalize_thread.get()  # noqa: SLF001
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._failed(thread.step() if thread else self._last_saved, e) from e
+
+    def _failed(self, step: int | None, error: BaseException) -> SaveError:
+        self._manager.reload()  # the failed step is not one of the steps kept
+        steps = [s for s in self.all_steps() if s != step]
+        self._failure = SaveError(step, self.directory, cause_of(error), steps)
+        return self._failure
+
+    def _remove_partial(self, step: int | None) -> None:
+        """Removes what a failed save of ``step`` left: Orbax's temporary directory (local) or
+        the step's uncommitted directory (``gs://``); process 0 only."""
+        if step is None or jax.process_index() != 0:
+            return
+        root = paths.resolve(self.directory)
+        partial = list(root.glob(f"{step}.orbax-checkpoint-tmp*"))
+        if (root / str(step)).exists() and step not in finished_steps(self.directory):
+            partial.append(root / str(step))
+        for path in partial:
+            if paths.is_uri(path):
+                path.rmtree(missing_ok=True)
+            else:
+                shutil.rmtree(os.fspath(path), ignore_errors=True)
 
     def restore(self, abstract_state: Any = None, step: int | None = None) -> tuple[Any, dict]:
         """Restores into the shapes, dtypes and shardings of ``abstract_state`` (a tree of
         ``jax.ShapeDtypeStruct`` with shardings, or of arrays); None restores the saved tree
-        (nested dicts of arrays) onto this process's first device."""
+        (nested dicts of arrays) onto this process's first device.
+
+        Raises:
+          FileNotFoundError: no checkpoint (at ``step``).
+          UnreadableCheckpoint: a file of the checkpoint cannot be read (truncated, missing).
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        if abstract_state is None:
-            # Whatever topology wrote it (8 devices, 2 hosts), read it onto one local device.
-            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            metadata = self._manager.item_metadata(step)["state"]
-            target = jax.tree_util.tree_map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata
+        try:
+            if abstract_state is None:
+                # Whatever topology wrote it (8 devices, 2 hosts), read it onto one local device.
+                device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+                metadata = self._manager.item_metadata(step)["state"]
+                target = jax.tree_util.tree_map(
+                    lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata
+                )
+            else:
+                target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_state)
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
+                ),
             )
-        else:
-            target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, abstract_state)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
-            ),
-        )
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise unreadable(step, os.path.join(self.directory, str(step)), e) from e
         return restored["state"], dict(restored["data"])
 
+    def set_aside(self, steps: Sequence[int], folder: str) -> list[str]:
+        """Moves the checkpoints of ``steps`` into ``folder`` (a resume from an older step
+        writes those steps again; nothing is deleted); returns where each went. Process 0
+        moves; every process sees the steps gone."""
+        moved = []
+        root, target = paths.resolve(self.directory), paths.resolve(folder)
+        for step in steps:
+            destination = target / str(step)
+            suffix = 1
+            while destination.exists():  # set aside before: keep both
+                destination, suffix = target / f"{step}.{suffix}", suffix + 1
+            if jax.process_index() == 0:
+                target.mkdir(parents=True, exist_ok=True)
+                (root / str(step)).rename(destination)
+            moved.append(str(destination))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("checkpoints set aside")
+        paths.refresh(self.directory)
+        self._manager.reload()
+        return moved
+
     def wait(self) -> None:
-        """Blocks until an asynchronous save is on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until an asynchronous save is on disk; raises SaveError if it failed."""
+        self._finish()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the save in flight and closes; a failed save's partial directory is
+        removed, and the failure raised unless it was raised before."""
+        raised_before = self._failure is not None
+        try:
+            with contextlib.suppress(SaveError):
+                self._finish()
+            with contextlib.suppress(Exception) if self._failure else contextlib.nullcontext():
+                self._manager.close()
+        finally:
+            logging.getLogger("absl").removeFilter(self._quiet)
+        if self._failure is not None:
+            self._remove_partial(self._failure.step)
+            if not raised_before:
+                raise self._failure
 
 
 def finished_steps(directory: str) -> list[int]:
@@ -116,6 +230,28 @@ def finished_steps(directory: str) -> list[int]:
     not listed (Orbax's own test: no temporary name locally, ``commit_success.txt`` on GCS)."""
     paths.refresh(directory)  # another process (a training job) may have added steps
     return sorted(ocp.utils.checkpoint_steps(paths.resolve(directory)))
+
+
+def check_readable(directory: str, step: int) -> UnreadableCheckpoint | None:
+    """Why checkpoint ``step`` of ``directory`` cannot be read, or None: reads every value of
+    its arrays' database and its JSON files, as a restore would, on this process alone (no
+    barrier; a multi-host resume checks on every process before any restores)."""
+    import json
+
+    import tensorstore as ts
+
+    step_dir = paths.resolve(directory) / str(step)
+    state = os.fspath(step_dir / "state")
+    base = state if paths.is_uri(state) else "file://" + state
+    try:
+        for name in ("_CHECKPOINT_METADATA", "state/_METADATA", "data/metadata"):
+            json.loads((step_dir / name).read_text())
+        store = ts.KvStore.open({"driver": "ocdbt", "base": base.rstrip("/") + "/"}).result()
+        for key in store.list().result():
+            store.read(key).result()
+    except Exception as e:
+        return unreadable(step, os.fspath(step_dir), e)
+    return None
 
 
 def state_steps(directory: str) -> list[int]:

@@ -31,7 +31,7 @@ def first_fit_rows(in_len: np.ndarray, tgt_len: np.ndarray, length: int) -> np.n
     remembers it and only moves right, past rows that no longer fit that size (a short
     Python scan, then a vectorized numpy scan with doubling windows for long jumps). Each
     example costs O(1) plus its pointer's advance, and a pointer crosses each row at most
-    once: O(examples + sizes x rows) in the worst case (``sizes`` <= ``length``^2 distinct
+    once: O(examples + sizes x rows) in the worst case (``sizes`` <= ``length ** 2`` distinct
     length pairs, the rows crossed by numpy vectors), against O(examples x rows) for the old
     scan of every open row per example. On translation-like lengths (rows of 64, sentences of
     2-30 tokens) a pointer moves a few dozen rows per example: 100k examples in about a second
@@ -126,12 +126,14 @@ def pack_examples(
 
     Examples (shuffled with the ``(seed, epoch)`` RNG) go, whole, to the first row where
     both their inputs and their targets still fit. Keys of each batch, all
-    ``[rows_per_batch, length]`` int32:
+    ``[rows_per_batch, length]`` int32::
+
       inputs, targets: concatenated token ids, ``pad_id`` after the last segment;
       inputs_segmentation, targets_segmentation: 1..n for the n examples of a row (the same
         id on both sides, so target segment k attends input segment k), 0 on padding;
       inputs_position, targets_position: position inside the segment (restarts at 0), 0 on
         padding.
+
     The last batch is completed with empty rows.
 
     Raises:

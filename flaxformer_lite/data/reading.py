@@ -217,6 +217,7 @@ def load_pairs(
       * "parallel_text": ``{data_dir}/{split}.{source_lang}`` and ``.{target_lang}``;
       * "tsv" / "jsonl": ``{data_dir}/{split}.tsv`` / ``.jsonl`` with columns
         ``source_column``/``target_column`` (default: the language codes).
+
     Without ``data_dir``, loads ``dataset`` (``dataset_config``) from the Hugging Face hub:
     either a ``translation`` dict column (wmt14 style) or one column per language
     (bentrevett/multi30k style). :func:`iter_pairs` yields the same pairs one at a time.

@@ -449,7 +449,8 @@ def generate_jit(
     method, beam_size = generation.method, generation.beam_size
     model = EncoderDecoder(config)
     batch_size = inputs.shape[0]
-    # The models' own activation constraints (``models.stack.constrain_residual``) follow the same rules.
+    # The models' own activation constraints (``models.stack.constrain_residual``) follow the
+    # same rules.
     with (
         jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
         nn.logical_axis_rules(sharding.LOGICAL_RULES),

@@ -12,7 +12,8 @@ pins them under ``requirements`` and its ``README.md`` gives the pip line), neve
     model = runtime.load("ARTIFACT")
     model.translate(["A dog runs.", ""])  # -> ["...", ""]
 
-An artifact folder holds:
+An artifact folder holds::
+
   ``manifest.json``   ids (pad, eos), ``max_len`` (the output width), ``per_row_limit``,
                       method, vocabulary kind, ``max_source_len``, the default row count per
                       call, versions, ``requirements`` (pip names pinned), and

@@ -526,7 +526,8 @@ class Translator:
         run once more teacher-forced (same tokens) with the "intermediates" collection
         mutable, where every attention layer sows its weights.
 
-        Returns a dict:
+        Returns a dict::
+
           ``translation``: the output string.
           ``source_pieces``: `[src_len]` pieces of the source, EOS included.
           ``target_pieces``: `[tgt_len]` generated pieces, EOS included when generated. Row

@@ -110,7 +110,7 @@ class TransformerConfig:
         training objective.
       router_z_loss_weight: weight of the router z-loss (mean over MoE layers).
       attention_window: restricted self-attention (the paper's neighbourhood of size r; None =
-        full attention): a query sees the keys within distance r *on each side*, |i - j| <= r
+        full attention): a query sees the keys within distance r *on each side*, ``|i - j| <= r``
         (``masks.local_mask``), up to 2r + 1 keys; in the decoder, causal as well, a sliding
         window of itself and the r keys before it. Cross-attention is never restricted. With
         "blockwise" attention key blocks outside the window are skipped (work linear in

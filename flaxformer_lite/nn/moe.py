@@ -100,7 +100,7 @@ def route(
     Returns:
       expert: int32 `[groups, tokens, k]`, the chosen experts (most probable first);
       slot: int32 `[groups, tokens, k]`, each assignment's slot in its expert, ``slots`` when
-        dropped (over capacity, or an invalid token);
+      dropped (over capacity, or an invalid token);
       gate: float32 `[groups, tokens, k]`, the combine weights (0 where dropped);
       probs: float32 `[groups, tokens, experts]`, the router probabilities.
     """

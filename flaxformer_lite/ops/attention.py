@@ -1,6 +1,7 @@
 """Scaled dot-product attention as pure functions: no Flax state, safe under jit, vmap and grad.
 
-Shapes, everywhere in this module:
+Shapes, everywhere in this module::
+
   query  `[batch, q_len, heads, head_dim]`
   key    `[batch, kv_len, kv_heads, head_dim]`   (``heads`` a multiple of ``kv_heads``)
   value  `[batch, kv_len, kv_heads, head_dim]`
@@ -12,7 +13,8 @@ Shapes, everywhere in this module:
 ``heads // kv_heads`` query heads shares one key/value head. The grouping is done by reshaping the
 query, never by materialising repeated keys.
 
-The ``implementation`` switch is the one place a faster kernel plugs in:
+The ``implementation`` switch is the one place a faster kernel plugs in::
+
   "xla"   the plain reference: einsum, masked float32 softmax, einsum (default, all backends);
   "cudnn" ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN flash attention, where
           ``cudnn_unsupported_reason`` finds nothing against it (an NVIDIA GPU, float16/bfloat16,

@@ -696,7 +696,7 @@ def blockwise_attention(
         ``kv_len - q_len`` aligns the queries with the last keys (a prompt appended to a cache);
         it shifts the window's centre too.
       window: restricted attention (static int >= 0, None = full): query i attends only to keys
-        j with |j - (i + causal_offset)| <= window, r keys on each side as ``masks.local_mask``
+        j with ``|j - (i + causal_offset)| <= window``, r keys on each side as ``masks.local_mask``
         (with ``causal``: a sliding window of the window keys before and the diagonal). Built
         per block from indices; key blocks wholly outside the window are skipped, so the work
         grows linearly in the length.

@@ -73,7 +73,7 @@ def segment_mask(query_segment_ids: Array, key_segment_ids: Array) -> Array:
 
 
 def local_mask(length: int, window: int) -> Array:
-    """Restricted self-attention: position i sees the positions j with |i - j| <= window.
+    """Restricted self-attention: position i sees the positions j with ``|i - j| <= window``.
 
     This is the paper's "self-attention (restricted)" of neighbourhood size r (its Table 1),
     which brings the cost per layer from O(n^2 d) to O(r n d). ``window`` is r *on each side*:
@@ -109,7 +109,8 @@ def combine_masks(*masks: Array | None) -> Array | None:
 class AttentionMask:
     """A mask as structure instead of a `[batch, heads, q_len, kv_len]` matrix.
 
-    Query i may attend to key j iff every present part allows it:
+    Query i may attend to key j iff every present part allows it::
+
       causal             j <= i (static; the diagonal of ``causal_mask``)
       query_valid        bool `[batch, q_len]`: False rows attend to nothing (output zero)
       key_valid          bool `[batch, kv_len]`: False keys are never attended to

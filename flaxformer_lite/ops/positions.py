@@ -138,7 +138,7 @@ def relative_position_bucket(
     ``bidirectional`` (encoder) half of the buckets are for keys after the query (offset by
     num_buckets / 2) and half for keys at or before it; otherwise (causal decoder) keys after
     the query all share bucket 0 (they are masked anyway) and every bucket goes to the past.
-    Within a direction of B buckets, distance n = |relative_position| has its own bucket for
+    Within a direction of B buckets, distance n = ``|relative_position|`` has its own bucket for
     n < B / 2, then ``B/2 + floor((B/2) log(n / (B/2)) / log(max_distance / (B/2)))``
     (logarithmically wider buckets), and every n >= max_distance shares the last bucket B - 1.
 

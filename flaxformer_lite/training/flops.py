@@ -4,7 +4,7 @@ the parameter count from its formula (``parameter_count``).
 MFU = model FLOPs per second / peak matmul FLOPs per second of the same machine, where the model
 FLOPs count 2*m*n*k for every matrix product of the forward pass and forward + backward = 3 x
 forward. Per layer on ``n`` query and ``m`` key positions, with ``h`` query heads, ``kv`` key/value
-heads of width ``hd`` (``config.effective_head_dim``) and model width ``d``:
+heads of width ``hd`` (``config.effective_head_dim``) and model width ``d``::
 
   query and output projections   2 * n * d * (h * hd)        each
   key and value projections      2 * m * d * (kv * hd)       each (multi-/grouped-query: kv < h)

@@ -1,4 +1,11 @@
-"""Metrics to ``metrics.jsonl`` (one JSON object per line) and TensorBoard event files."""
+"""Metrics to ``metrics.jsonl`` (one JSON object per line) and TensorBoard event files.
+
+A resumed run continues from its last checkpoint, so the rows a crashed run wrote after that
+checkpoint belong to a branch that no longer exists: the resumed run writes those steps again.
+:meth:`MetricWriter.set_aside_rows_after` moves them to a file of their own, so that
+``metrics.jsonl`` holds one row per step and kind (TensorBoard drops such orphaned events by
+itself).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flaxformer_lite.core import paths
@@ -46,6 +54,31 @@ class MetricWriter:
 
             self._tb = SummaryWriter(logdir)
 
+    def set_aside_rows_after(
+        self, step: int, *, now: Callable[[], float] = time.time
+    ) -> str | None:
+        """Moves the lines of ``metrics.jsonl`` past ``step`` (the step this run starts from: the
+        restored checkpoint's, 0 for a fresh start) to ``metrics.orphaned-<UTC time>.jsonl``
+        beside it; returns the one line that says so, or None when there is nothing to move
+        (and on every process but 0).
+
+        The file of orphans is written first and ``metrics.jsonl`` replaced after it (each
+        all-or-nothing, :func:`paths.write_atomic`), so a crash in between leaves a second copy
+        of the orphans, never a lost row.
+        """
+        if not self.active:
+            return None
+        data = self._text.encode("utf-8") if self._remote else _read_bytes(self.path)
+        kept, orphaned = split_rows_after(data, step)
+        if not orphaned:
+            return None
+        aside = _orphan_path(self.path, now())
+        paths.write_atomic(aside, orphaned)
+        paths.write_atomic(self.path, kept)
+        if self._remote:
+            self._text = kept.decode("utf-8")
+        return orphans_line(orphaned, step, self.path, aside)
+
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.active:
             return
@@ -77,6 +110,74 @@ class MetricWriter:
         if self._tb_staging is not None:
             shutil.rmtree(self._tb_staging, ignore_errors=True)
             self._tb_staging = None
+
+
+def _read_bytes(path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
+
+
+def _row_step(line: bytes) -> int | None:
+    """The ``step`` of one metrics line, or None for a line that is no complete row (cut short
+    by a crash mid-write, or not JSON)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def _rows(data: bytes) -> list[dict]:
+    return [json.loads(line) for line in data.split(b"\n") if _row_step(line) is not None]
+
+
+def split_rows_after(data: bytes, step: int) -> tuple[bytes, bytes]:
+    """``(kept, orphaned)``: the lines of a ``metrics.jsonl`` (``data``) with ``"step" <=
+    step``, and all others: rows past ``step``, and a line that is no complete row (a last
+    line without its newline, cut short by a crash mid-write; a line that is not JSON). Every
+    line ends with a newline in either part; each part keeps the lines' order, and the two
+    together hold every byte of ``data`` (plus that newline)."""
+    lines = data.split(b"\n")
+    last = lines.pop()  # b"" after a final newline; else a line a crash cut short
+    kept, orphaned = [], []
+    for line in lines:
+        row_step = _row_step(line)
+        blank = not line.strip()
+        keep = blank or (row_step is not None and row_step <= step)
+        (kept if keep else orphaned).append(line + b"\n")
+    if last:
+        orphaned.append(last + b"\n")
+    return b"".join(kept), b"".join(orphaned)
+
+
+def orphans_line(orphaned: bytes, step: int, path, aside) -> str:
+    """The one line that tells the user where :meth:`MetricWriter.set_aside_rows_after` moved
+    the ``orphaned`` lines of ``path`` and why."""
+    count = orphaned.count(b"\n")
+    steps = [row["step"] for row in _rows(orphaned)]
+    what = f"{count} line{'s' if count > 1 else ''}"
+    if steps:
+        what += f" of step{'s' if len(set(steps)) > 1 else ''} " + (
+            f"{min(steps)}-{max(steps)}" if min(steps) < max(steps) else f"{steps[0]}"
+        )
+    why = (
+        f"stopped before a checkpoint past step {step}, and this run writes them again from step "
+        f"{step}"
+        if step
+        else "stopped before its first checkpoint, and this run starts again from step 0"
+    )
+    return f"metrics: moved {what} from {path} to {aside}: the run that wrote them {why}"
+
+
+def _orphan_path(path, now: float):
+    """``metrics.orphaned-<UTC time>.jsonl`` beside ``path``, a new name (``-2``, ``-3`` ...
+    after the time when two runs set rows aside within the same second)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    candidate, n = path.parent / f"metrics.orphaned-{stamp}.jsonl", 1
+    while candidate.exists():
+        n += 1
+        candidate = path.parent / f"metrics.orphaned-{stamp}-{n}.jsonl"
+    return candidate
 
 
 def read_metrics(workdir: str) -> list[dict[str, float]]:

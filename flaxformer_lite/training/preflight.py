@@ -47,7 +47,7 @@ COMMON_KEYS = (
     "task seed optimizer schedule learning_rate warmup_steps b1 b2 eps weight_decay"
     " grad_clip_norm grad_accum_steps label_smoothing skip_nonfinite_steps num_train_steps"
     " log_every eval_every checkpoint_every keep_checkpoints decode_eval mesh_shape model"
-    " allow_changes"
+    " allow_changes restore_step"
 ).split()
 
 # Keys any run may add: start from pretrained weights (train.py workdir, Hugging Face Marian
@@ -132,6 +132,7 @@ SAFE_CHANGES = (
     "decode_eval",
     "skip_nonfinite_steps",
     "allow_changes",
+    "restore_step",
     "mesh_shape",
     "grad_accum_steps",
     "beam_size",
@@ -358,6 +359,8 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
     accum = _int_at_least(config, "grad_accum_steps", 1)
     mesh = _check_mesh(config.mesh_shape, device_count)
     _check_allow_changes(config)
+    if config.get("restore_step") is not None:
+        _int_at_least(config, "restore_step", 1, " (None: the newest readable checkpoint)")
 
     if task == "synthetic":
         max_len, vocab_size = _check_synthetic(config)
@@ -554,9 +557,8 @@ def check_resume(config: Any, workdir: str) -> None:
     in SAFE_CHANGES and ``config.allow_changes``, and ``num_train_steps`` must reach its
     latest step."""
     root = paths.resolve(workdir)
-    if not root.is_dir():
-        return
-    step = latest_saved_step(workdir)
+    step = latest_saved_step(workdir) if root.is_dir() else None
+    _check_restore_step(config, root)
     if step is None:
         return
     if config.num_train_steps < step:
@@ -591,6 +593,22 @@ def check_resume(config: Any, workdir: str) -> None:
     raise ConfigError(
         f"config differs from the run in {root} (checkpoint step {step}): {listed}; {advice}"
     )
+
+
+def _check_restore_step(config: Any, root: Any) -> None:
+    """``config.restore_step`` names a finished checkpoint of the workdir."""
+    wanted = config.get("restore_step")
+    if wanted is None:
+        return
+    from flaxformer_lite.core.checkpoints import finished_steps
+
+    steps = finished_steps(os.fspath(root / "checkpoints")) if root.is_dir() else []
+    if wanted not in steps:
+        valid = ", ".join(map(str, steps)) if steps else "none (nothing to resume: omit it)"
+        raise ConfigError(
+            f"config.restore_step={wanted}: no checkpoint of that step in "
+            f"{root / 'checkpoints'}; valid steps: {valid}"
+        )
 
 
 # ----------------------------------------------------------------------------- CLI flags

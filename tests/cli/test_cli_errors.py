@@ -8,6 +8,7 @@ trained workdir and compile nothing.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,71 @@ def test_translate_output_that_is_a_folder(no_work, files, capsys):
     argv = ["--workdir", "run", "--input", files["source"], "--output", files["folder"]]
     line = error_line(translate.main, argv, capsys)
     assert line == f"argument --output: {files['folder']} is a folder; give a file name"
+
+
+# Line 3 holds a Latin-1 byte (0xff, "ÿ"): not UTF-8. Byte 3 of that line, the file's 11th.
+NOT_UTF8 = b"one\ntwo\nth\xffree\nfour\n"
+NOT_UTF8_PROBLEM = (
+    "line 3: byte 3 (0xff) is not UTF-8; convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+)
+
+
+def test_translate_input_that_is_not_utf8_names_the_file_and_line(no_work, tmp_path, capsys):
+    bad, out = tmp_path / "test.en", tmp_path / "test.hyp"
+    bad.write_bytes(NOT_UTF8)
+    line = error_line(
+        translate.main, ["--workdir", "run", "--input", str(bad), "--output", str(out)], capsys
+    )
+    assert line == f"argument --input: {bad} {NOT_UTF8_PROBLEM}"
+    assert not out.exists()
+
+
+def test_translate_stdin_that_is_not_utf8_names_the_line(no_work, monkeypatch, capsys):
+    # stdin is read once the model has loaded (a bad --workdir must not wait for input): a
+    # stand-in model, which nothing past the read may use.
+    monkeypatch.setattr(
+        inference.Translator, "from_pretrained", staticmethod(lambda *args, **kwargs: None)
+    )
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(NOT_UTF8)))
+    line = error_line(translate.main, ["--workdir", "run"], capsys)
+    assert line == f"argument --input: stdin {NOT_UTF8_PROBLEM}"
+
+
+def test_evaluate_files_that_are_not_utf8_name_the_flag_file_and_line(
+    no_work, files, tmp_path, capsys
+):
+    bad = tmp_path / "test.de"
+    bad.write_bytes(NOT_UTF8)
+    good = files["source"]
+    for flag, source, reference in [("--source", bad, good), ("--reference", good, bad)]:
+        argv = ["--workdir", "run", "--source", str(source), "--reference", str(reference)]
+        assert (
+            error_line(evaluate.main, argv, capsys) == f"argument {flag}: {bad} {NOT_UTF8_PROBLEM}"
+        )
+
+
+@pytest.mark.parametrize(
+    "data,line,byte,value",
+    [
+        (b"\xff", 1, 1, 0xFF),  # the first byte of the first line
+        (
+            b"ok\n\xc3\xa9\xe9t\xc3\xa9\n",
+            2,
+            3,
+            0xE9,
+        ),  # after a 2-byte character: bytes, not characters
+        (b"a\nb\n\n\xe2\x82", 4, 1, 0xE2),  # a multi-byte character cut off at the end
+        (b"a\r\nb\x80\r\n", 2, 2, 0x80),  # a lone continuation byte; "\r" is no line end
+    ],
+)
+def test_decode_utf8_names_the_line_and_byte(data, line, byte, value):
+    with pytest.raises(translate.NotUtf8Error) as info:
+        translate.decode_utf8(data, "f.txt")
+    assert str(info.value).startswith(
+        f"f.txt line {line}: byte {byte} (0x{value:02x}) is not UTF-8;"
+    )
+    assert isinstance(info.value, ValueError)
+    assert translate.decode_utf8("ü\n€".encode(), "f.txt") == "ü\n€"
 
 
 @pytest.mark.parametrize(
@@ -232,6 +298,11 @@ def test_bucket_paths_are_checked_like_local_ones(gcs, no_work, capsys):
     assert line.startswith("argument --input: gs://bucket/cli/no.txt does not exist")
     line = error_line(translate.main, ["--workdir", "run", "--input", "gs://bucket/cli"], capsys)
     assert line.startswith("argument --input: gs://bucket/cli is a folder")
+    epath.Path("gs://bucket/cli/bad.txt").write_bytes(NOT_UTF8)
+    line = error_line(
+        translate.main, ["--workdir", "run", "--input", "gs://bucket/cli/bad.txt"], capsys
+    )
+    assert line == f"argument --input: gs://bucket/cli/bad.txt {NOT_UTF8_PROBLEM}"
     argv = ["--workdir", "run", "--input", src, "--output", "gs://bucket/cli"]
     assert error_line(translate.main, argv, capsys).startswith(
         "argument --output: gs://bucket/cli is a folder"

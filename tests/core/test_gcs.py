@@ -106,6 +106,7 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     train, final_eval = losses(run)
     assert [s for s, _ in expected] == list(range(5, STEPS + 1, 5))
     assert set(train) == set(expected) and final_eval == expected_eval
+    assert train == expected  # one row per step: the killed run's rows past its checkpoint moved
     assert len(train) > len([s for s, _ in expected if s > saved[-1]])  # pre-kill lines kept
     scalars = _tensorboard_scalars(f"{run}/tensorboard")
     expected_scalars = {("train/smoothed_kl", s) for s, _ in expected}
@@ -182,6 +183,18 @@ def test_vocabulary_data_metrics_and_figures_in_a_bucket(gcs, tmp_path):
         writer.close()
     assert [m["step"] for m in read_metrics(str(root))] == [10, 20, 30]
     assert ("train/perplexity", 30) in _tensorboard_scalars(str(root / "tensorboard"))
+    # A third run resumes from step 20 (the one that wrote step 30 died before checkpointing
+    # it): row 30 goes to an object of its own, and the new rows follow step 20.
+    writer = MetricWriter(str(root))
+    line = writer.set_aside_rows_after(20, now=lambda: 0.0)
+    aside = root / "metrics.orphaned-19700101T000000Z.jsonl"
+    assert line.startswith(
+        f"metrics: moved 1 line of step 30 from {root}/metrics.jsonl to {aside}:"
+    )
+    writer.write(25, {"train/perplexity": 27.0, "eval/perplexity": 3.0})
+    writer.close()
+    assert [m["step"] for m in read_metrics(str(root))] == [10, 20, 25]
+    assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [30]
 
     # Figures straight into the bucket.
     assert plot_metrics.main(["--workdir", str(root), "--output", str(root / "loss.png")]) == 0

@@ -2,7 +2,7 @@
 
 ``build_task`` turns a training config into a ``Task``: the endless training stream, fixed
 evaluation batches, the vocabulary sizes the model needs, and what to decode for exact-match or
-BLEU. Four kinds, chosen by ``config.task``, each assembled by its own module:
+BLEU. Four kinds, chosen by ``config.task``, each assembled by its own module::
 
   "synthetic"       generated seq2seq problems, the embedded default (synthetic.py)
   "translation"     parallel text from the hub or local files: Multi30k, WMT14

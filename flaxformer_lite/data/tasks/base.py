@@ -21,11 +21,11 @@ class Task:
     vocab_size: source (or only) vocabulary; target_vocab_size: target vocabulary if separate.
     max_len: longest sequence the model must encode.
     decode_inputs / decode_references: for seq2seq, source batches `[rows, len]` to decode and
-      what to compare against (token arrays for exact match, strings for BLEU).
+    what to compare against (token arrays for exact match, strings for BLEU).
     detokenize: ids -> string of the target side (None for classification).
     special_ids: the TransformerConfig fields ``pad_id``, ``eos_id``, ``bos_id``, ``unk_id``
-      of the task's vocabulary (:func:`vocabulary_ids`), with which every batch was built;
-      ``train.model_config`` copies them into the model. Empty: the config's own.
+    of the task's vocabulary (:func:`vocabulary_ids`), with which every batch was built;
+    ``train.model_config`` copies them into the model. Empty: the config's own.
     log_lines: what the data pipeline counted, printed at start.
     """
 
