@@ -92,13 +92,15 @@ def test_an_exclusive_file_is_created_once_and_changed_only_at_the_version_read(
 def test_of_racing_writers_exactly_one_creates_and_one_takes_over(tmp_path):
     path = str(tmp_path / "x.lock")
     barrier = threading.Barrier(8)
+    # Each writer's bytes differ from the version read (a lock's token does that): a file whose
+    # bytes equal the version is, by definition, that version.
 
     def race(write, *args):
         won = []
 
         def one(i):
             barrier.wait()
-            if write(path, f"writer {i}".encode(), *args) is not None:
+            if write(path, f"{write.__name__} {i}".encode(), *args) is not None:
                 won.append(i)
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
@@ -109,10 +111,10 @@ def test_of_racing_writers_exactly_one_creates_and_one_takes_over(tmp_path):
         return won
 
     created = race(exclusive_files.create_new)
-    assert len(created) == 1 and Path(path).read_bytes() == f"writer {created[0]}".encode()
+    assert len(created) == 1 and Path(path).read_bytes() == f"create_new {created[0]}".encode()
     (data, version) = exclusive_files.read(path)
     taken = race(exclusive_files.replace_if, version)
-    assert len(taken) == 1 and Path(path).read_bytes() == f"writer {taken[0]}".encode()
+    assert len(taken) == 1 and Path(path).read_bytes() == f"replace_if {taken[0]}".encode()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.lock"]  # nothing left aside
 
 
