@@ -7,8 +7,10 @@
 
 A workdir that already holds checkpoints resumes from the latest one: parameters, optimizer
 state, RNG and the position in the data stream, so an interrupted run ends exactly where an
-uninterrupted one would. SIGTERM (a preemption notice) to any process makes every process save
-the same step and exit 0: the checkpoint is safely written, so rerunning the command resumes.
+uninterrupted one would. SIGTERM (a preemption notice) to any process, or a first Ctrl-C, makes
+every process save the same step and exit 0: the checkpoint is safely written, so rerunning the
+command resumes (a second Ctrl-C aborts at once). A second run on a workdir that a live run holds
+refuses before any work (training/run_lock.py; --break_lock overrides).
 A save that fails (a full disk) stops the run at the next step with one line naming the intact
 checkpoints; a newest checkpoint that cannot be read is skipped, loudly, for the newest readable
 one (or --config.restore_step=N picks the step).
@@ -21,7 +23,6 @@ import functools
 import json
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -47,8 +48,9 @@ from flaxformer_lite.interop import init_from
 from flaxformer_lite.models import DecoderOnly, EncoderClassifier, EncoderDecoder
 from flaxformer_lite.nn import moe
 from flaxformer_lite.nn.config import TransformerConfig
-from flaxformer_lite.training import checkpoint_faults, flops, losses, optim, preflight
+from flaxformer_lite.training import checkpoint_faults, flops, losses, optim, preflight, run_lock
 from flaxformer_lite.training.metrics import MetricWriter
+from flaxformer_lite.training.preemption import Preemption
 
 
 class TrainState(struct.PyTreeNode):
@@ -492,61 +494,6 @@ def lm_sample(task: tasks.Task, params, cfg: TransformerConfig, step: int, mesh)
     )
 
 
-# ----------------------------------------------------------------------------- preemption
-
-
-class Preemption:
-    """Answers, at each step boundary, whether a preemption notice (SIGTERM) means "save this
-    step and stop", with the same answer on every process of the run.
-
-    Under ``jax.distributed`` the runtime decides. ``jax.distributed.initialize`` installs a C++
-    SIGTERM handler on every process (its preemption notifier); a notice on any one process
-    goes through the coordination service to all of them, each reports the last counter it
-    passed to ``multihost_utils.reached_preemption_sync_point``, and the sync point is the
-    largest plus one, which every process then reaches at the same step. Asking is a local
-    lock and compare (0.65 us a call measured on a CPU; no collective), so the loop asks at
-    every step. The counter is the number of steps this run has done (1, 2, ...): the runtime
-    starts every process at 0, so a notice that arrives before the first step (data loading,
-    compilation) stops the run after its first step rather than at a step a resumed run has
-    already passed. Orbax's own calls are switched off (``checkpoints._Manager``).
-
-    A Python ``signal.signal(SIGTERM, ...)`` would replace that C++ handler (only the signalled
-    process would ever know), so none is installed then, and none is restored at the end.
-    Without ``jax.distributed`` (one process), a Python handler sets a flag instead.
-    """
-
-    def __init__(self) -> None:
-        from jax.experimental import multihost_utils
-
-        self._sync = multihost_utils.reached_preemption_sync_point
-        self._signalled = False
-        self._previous = None
-        self.synced = jax.distributed.is_initialized()
-        if self.synced:
-            try:
-                self._sync(0)  # the runtime's initial counter: nothing done yet
-            except RuntimeError as e:  # jax_enable_preemption_service=False
-                self.synced = False
-                if jax.process_count() > 1:
-                    print(f"warning: {e}; SIGTERM will end this process without a checkpoint")
-                    return
-        if not self.synced:
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, *_) -> None:
-        self._signalled = True
-
-    def reached(self, steps_done: int) -> bool:
-        """Whether to save and stop after this run's ``steps_done``-th step (every process
-        must ask at every step, in order)."""
-        return self._sync(steps_done) if self.synced else self._signalled
-
-    def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-
 # ----------------------------------------------------------------------------- logging window
 
 clock = time.perf_counter  # the loop's timer (seconds); tests substitute a fake one
@@ -687,31 +634,44 @@ def save_checkpoint(run: Run, step: int, state: TrainState, *, force: bool = Fal
 
 
 def train_and_evaluate(
-    config: Any, workdir: str, *, stop_at: int | None = None
+    config: Any, workdir: str, *, stop_at: int | None = None, break_lock: bool = False
 ) -> dict[str, float]:
     """Runs (or resumes) training as ``config`` says; returns the last evaluation metrics.
 
     ``stop_at`` ends the run after that step with a checkpoint, as a preemption would (tests
-    and schedulers use it); a later call on the same workdir continues. Both, and SIGTERM
-    (see ``Preemption``), return ``{}`` once the checkpoint is written. A bad config or
-    workdir raises ``preflight.ConfigError`` before anything is read, written or compiled.
+    and schedulers use it); a later call on the same workdir continues. Both, and SIGTERM or a
+    first Ctrl-C (see ``Preemption``), return ``{}`` once the checkpoint is written. A bad
+    config or workdir raises ``preflight.ConfigError`` before anything is read, written or
+    compiled; a workdir another live run holds raises ``run_lock.WorkdirInUse`` before any work
+    (``break_lock`` takes its lock anyway).
     """
     preflight.check_run(config, workdir)
     workdir = str(paths.resolve(workdir))  # a local path (made absolute) or a gs:// URI
     created = not paths.resolve(workdir).exists()
     paths.makedirs(workdir)
+    lock = run_lock.acquire_on_all_processes(workdir, break_lock=break_lock)
+    try:
+        return train_in_workdir(config, workdir, stop_at=stop_at)
+    except data.DataError:  # nothing written: a workdir this call made goes again
+        if lock is not None:
+            lock.release()
+        if created and jax.process_index() == 0 and not any(paths.resolve(workdir).iterdir()):
+            paths.resolve(workdir).rmdir()
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[str, float]:
+    """``train_and_evaluate`` in ``workdir`` (resolved; its run lock held)."""
     is_main = jax.process_index() == 0
     log = print if is_main else (lambda *a, **k: None)
 
     # Data first: the vocabulary sizes decide the model.
-    try:
-        task = tasks.build_task(
-            config, workdir, process_index=jax.process_index(), process_count=jax.process_count()
-        )
-    except data.DataError:  # nothing written: a workdir this call made goes again
-        if created and is_main and not any(paths.resolve(workdir).iterdir()):
-            paths.resolve(workdir).rmdir()
-        raise
+    task = tasks.build_task(
+        config, workdir, process_index=jax.process_index(), process_count=jax.process_count()
+    )
     for line in task.log_lines:
         log(f"data: {line}")
     cfg = model_config(config, task)
@@ -823,7 +783,8 @@ def train_and_evaluate(
         dynamic_ncols=True,
         desc="train",
     )
-    # Preemption: SIGTERM on any process; every process saves the same step and returns.
+    # Preemption: SIGTERM on any process, or a first Ctrl-C; every process saves the same step
+    # and returns.
     preemption = Preemption()
     window, pending = LogWindow(), []
     compiled_shapes: set[tuple] = set()  # batch shapes step_fn has been compiled for
@@ -872,7 +833,7 @@ def train_and_evaluate(
                     write_train_line(run, done, window, peak, bar)
                     window = LogWindow()
                 if preempted:
-                    print(f"SIGTERM: saving step {done}; rerun to resume", flush=True)
+                    print(preemption.notice(done), flush=True)
                 if save_now or stop:
                     save_checkpoint(run, done, state, force=stop)  # `finally` waits for it
                 if stop:
@@ -911,9 +872,12 @@ def main(argv: list[str]) -> None:
     )
     config = _CONFIG.value
     try:
-        metrics = train_and_evaluate(config, _WORKDIR.value)
-    except (preflight.ConfigError, data.DataError, CheckpointError) as e:  # one line
+        metrics = train_and_evaluate(config, _WORKDIR.value, break_lock=_BREAK_LOCK.value)
+    except (preflight.ConfigError, data.DataError, CheckpointError, run_lock.WorkdirInUse) as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before the loop): nothing more saved
+        print("Ctrl-C: aborted; rerun to resume from the latest checkpoint", file=sys.stderr)
+        raise SystemExit(130) from None
     if metrics and jax.process_index() == 0:  # empty: preempted, checkpoint written, exit 0
         print("final: " + json.dumps({k: round(v, 4) for k, v in metrics.items()}))
 
@@ -932,5 +896,10 @@ if __name__ == "__main__":
     )
     _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
     _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+    _BREAK_LOCK = flags.DEFINE_bool(
+        "break_lock",
+        False,
+        "Take the workdir's run lock even from a run that looks alive (you know it is gone).",
+    )
     flags.mark_flags_as_required(["config", "workdir"])
     app.run(main, flags_parser=preflight.parse_flags)

@@ -101,7 +101,8 @@ def shared_data() -> Path:
 def honour_generation_preconditions():
     """Teaches gcp-storage-emulator what real GCS does and tensorstore relies on: the
     ``x-goog-generation`` header on downloads, ``ifGenerationNotMatch`` (304 Not Modified) and
-    ``ifGenerationMatch`` (412 Precondition Failed) on downloads and uploads. Without them
+    ``ifGenerationMatch`` (412 Precondition Failed) on downloads, uploads and deletes (the run
+    lock, training/run_lock.py, relies on the last two). Without them
     tensorstore's OCDBT driver (Orbax's checkpoint format) fails on a tree of more than a few
     dozen arrays with "Malformed StorageGeneration". Returns a function that undoes it."""
     from http import HTTPStatus
@@ -126,7 +127,7 @@ def honour_generation_preconditions():
             return HTTPStatus.NOT_MODIFIED, current
         return None, current
 
-    download, insert = objects.download, objects.insert
+    download, insert, delete = objects.download, objects.insert, objects.delete
 
     def checked_download(request, response, storage, *args, **kwargs):
         bucket, name = request.params["bucket_name"], request.params["object_id"]
@@ -148,7 +149,14 @@ def honour_generation_preconditions():
             return
         insert(request, response, storage, *args, **kwargs)
 
-    swaps = {download: checked_download, insert: checked_insert}
+    def checked_delete(request, response, storage, *args, **kwargs):
+        bucket, name = request.params["bucket_name"], request.params["object_id"]
+        if failed(request, storage, bucket, name)[0]:
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            return
+        delete(request, response, storage, *args, **kwargs)
+
+    swaps = {download: checked_download, insert: checked_insert, delete: checked_delete}
 
     def swap(table: dict) -> None:
         for _, handlers in server.HANDLERS:
@@ -156,10 +164,11 @@ def honour_generation_preconditions():
                 handlers[method] = table.get(handler, handler)
 
     objects.download, objects.insert = checked_download, checked_insert  # objects.get calls it
+    objects.delete = checked_delete
     swap(swaps)
 
     def undo() -> None:
-        objects.download, objects.insert = download, insert
+        objects.download, objects.insert, objects.delete = download, insert, delete
         swap({new: old for old, new in swaps.items()})
 
     return undo

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 
@@ -77,6 +78,11 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed from step {saved[-1]} ({run}/checkpoints)" in resumed.stdout
+    # The killed run's lock (same host, its pid gone) is taken over at once, saying so.
+    host = socket.gethostname()
+    assert f"run lock: took {run}/run.lock over from host {host}, pid {killed.pid}," in (
+        resumed.stdout
+    )
     assert reference.wait(timeout=300) == 0, reference_log.read_text()
 
     # The whole train state (parameters, Adam moments, step, RNG) and the data position.

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from flaxformer_lite.core import sharding
+from flaxformer_lite.training import run_lock
 
 from helpers.runs import final_loss, free_port, run_train, saved_state
 
@@ -170,6 +172,28 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(two_process
     b, data_b = saved_state(workdir)
     assert int(a["step"]) == int(b["step"]) == TWO_PROCESS_STEPS and data_a == data_b
     assert_bitwise_equal(a, b)
+
+
+def test_two_processes_refuse_together_on_a_workdir_a_live_run_holds(tmp_path):
+    """Process 0 finds the lock of a live run (this test's process) and both processes learn
+    its verdict: each ends with the same one line and exit status 1, nothing written."""
+    workdir = tmp_path / "held"
+    workdir.mkdir()
+    lock = run_lock.acquire(str(workdir))
+    try:
+        procs = start_two_processes(workdir)
+        outs = finish(procs, timeout=300)
+        assert [p.name for p in workdir.iterdir()] == ["run.lock"]
+    finally:
+        lock.release()
+    expected = (
+        f"error: workdir {workdir} is in use by another run (host {socket.gethostname()}, "
+        f"pid {os.getpid()}, since {lock.holder.since}; lock {workdir}/run.lock, renewed "
+    )
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 1, out[-3000:]
+        assert out.strip().splitlines()[-1].startswith(expected), out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
 
 
 def test_mesh_shape_resolution_and_errors():
