@@ -13,6 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 class CheckpointError(RuntimeError):
@@ -120,12 +121,20 @@ def _closed_loop(kind: type, value: BaseException | None) -> bool:
     return kind is RuntimeError and str(value) == "Event loop is closed"
 
 
+def _orbax_coroutine(unraisable: Any) -> bool:
+    """An exception of an Orbax read or write coroutine, garbage collected after the failure it
+    belongs to was raised (e.g. the other array reads of a restore that met a truncated file)."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return code is not None and "orbax" in code.co_filename
+
+
 def quiet_failed_save_leftovers() -> None:
     """Keeps the leftovers of a failed save off the terminal for the rest of the process (the
     failure itself is raised as one SaveError): asyncio's records of Orbax's orphaned write
     tasks, and the "Event loop is closed" RuntimeError that tensorstore reports (as an
     unraisable exception or through ``sys.excepthook``) when a write completes after Orbax
-    closed its event loop. Idempotent."""
+    closed its event loop, or that an Orbax coroutine of a failed save or restore reports when
+    it is garbage collected. Idempotent."""
     asyncio_logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _QuietOrphans) for f in asyncio_logger.filters):
         asyncio_logger.addFilter(_QuietOrphans())
@@ -142,7 +151,8 @@ def quiet_failed_save_leftovers() -> None:
         previous_unraisable = sys.unraisablehook
 
         def unraisablehook(unraisable):
-            if not _closed_loop(unraisable.exc_type, unraisable.exc_value):
+            leftover = _closed_loop(unraisable.exc_type, unraisable.exc_value)
+            if not (leftover or _orbax_coroutine(unraisable)):
                 previous_unraisable(unraisable)
 
         unraisablehook.quiets_closed_loop = True

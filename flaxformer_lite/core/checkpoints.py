@@ -177,6 +177,7 @@ class Checkpointer:
         except FileNotFoundError:
             raise
         except Exception as e:
+            quiet_failed_save_leftovers()  # the restore's other reads end later, unretrieved
             raise unreadable(step, os.path.join(self.directory, str(step)), e) from e
         return restored["state"], dict(restored["data"])
 
