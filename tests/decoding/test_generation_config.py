@@ -82,6 +82,7 @@ BAD_VALUES = [
     ("banned_ids", ((1,),), "banned_ids must be a sequence of token ids"),
     ("banned_ids", (True,), "banned_ids must be a sequence of token ids"),
     ("banned_ids", "12", "banned_ids must be a sequence of token ids"),
+    ("prepend_bos", 0, "prepend_bos must be True or False"),
 ]
 
 
@@ -207,6 +208,7 @@ def test_json_round_trip():
         top_p=0.8,
         forced_eos=True,
         banned_ids=(11, 3),
+        prepend_bos=False,
     )
     text = json.dumps(g.to_dict())
     assert json.loads(text) == {
@@ -223,6 +225,7 @@ def test_json_round_trip():
         "top_p": 0.8,
         "forced_eos": True,
         "banned_ids": [3, 11],
+        "prepend_bos": False,
     }
     assert GenerationConfig.from_dict(json.loads(text)) == g
     assert GenerationConfig.from_dict({}) == GenerationConfig()
@@ -319,6 +322,7 @@ def test_from_hugging_face_reads_what_transformers_writes(tmp_path):
             renormalize=bool(read.renormalize_logits),
             forced_eos=read.forced_eos_token_id == EOS,
             banned_ids=tuple(w[0] for w in read.bad_words_ids),
+            prepend_bos=False,  # generate() feeds the ids as given
         ), name
         written = json.loads((folder / "generation_config.json").read_text())
         assert GenerationConfig.from_hugging_face(written, MARIAN) == ours
@@ -335,7 +339,7 @@ def test_from_hugging_face_defaults_and_old_config_json(tmp_path):
     # transformers' defaults: greedy, max_length 20 counted after the decoder start of an
     # encoder-decoder (20 new tokens), no constraints, length_penalty 1.0.
     assert GenerationConfig.from_hugging_face(str(unset), MARIAN) == GenerationConfig(
-        method="greedy", max_len=20, beam_size=1, alpha=1.0, beam_style="hf"
+        method="greedy", max_len=20, beam_size=1, alpha=1.0, beam_style="hf", prepend_bos=False
     )
     # An older checkpoint: the generation fields in config.json, no generation_config.json.
     old = tmp_path / "old"
@@ -350,6 +354,7 @@ def test_from_hugging_face_defaults_and_old_config_json(tmp_path):
         beam_style="hf",
         forced_eos=True,
         banned_ids=(PAD,),
+        prepend_bos=False,
     )
 
 
