@@ -151,14 +151,15 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, llama3 parameters or None)`` from transformers 5's ``rope_parameters`` or
     the older ``rope_theta`` / ``rope_scaling``."""
     params = dict(hf.get("rope_parameters") or {})
+    key = "rope_parameters"
     scaling = hf.get("rope_scaling")
     if scaling is not None and not params:
-        params = dict(scaling)
+        params, key = dict(scaling), "rope_scaling"
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise _refuse(
-            "rope_scaling" if scaling is not None else "rope_parameters",
+            key,
             {"rope_type": rope_type, **params},
             f"rope_type {list(ROPE_TYPES)} (Llama 3's scaling or none)",
         )
@@ -167,13 +168,13 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise _refuse("partial_rotary_factor", factor, "1.0 (every channel rotated)")
     if rope_type == "default":
         if params:
-            raise _refuse("rope_parameters", params, "no other keys with rope_type 'default'")
+            raise _refuse(key, params, "no other keys with rope_type 'default'")
         return float(theta), None
     missing = [k for k in LLAMA3_KEYS if k not in params]
     extra = sorted(set(params) - set(LLAMA3_KEYS))
     if missing or extra:
         raise _refuse(
-            "rope_scaling",
+            key,
             {"rope_type": rope_type, **params},
             f"rope_type 'llama3' with exactly {list(LLAMA3_KEYS)}",
         )

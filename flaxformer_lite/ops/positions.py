@@ -84,13 +84,15 @@ def rope_inv_freq(
     wavelength - low) / (high - low)``: ``(1 - s) freq / factor + s freq``.
 
     Computed step by step in float32 as ``transformers``' ``_compute_llama3_parameters``
-    does (its comparisons decide the same bands).
+    does (its comparisons decide the same bands), the power correctly rounded (torch's
+    float32 ``pow`` may differ by an ulp).
     """
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary positions; got {head_dim}")
     f32 = np.float32
     exponent = np.arange(0, head_dim, 2).astype(f32) / f32(head_dim)
-    inv_freq = (f32(1.0) / np.power(f32(theta), exponent, dtype=f32)).astype(f32)
+    power = np.power(np.float64(theta), exponent.astype(np.float64)).astype(f32)
+    inv_freq = (f32(1.0) / power).astype(f32)
     if scaling is None:
         return inv_freq
     factor, low, high, original = scaling
