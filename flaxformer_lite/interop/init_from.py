@@ -98,7 +98,7 @@ def generation_config(source: str) -> dict[str, Any] | None:
 
 def pretrained_params(source: str) -> dict[str, Any]:
     """The parameters (plain nested dicts, unrolled layers) of ``source``: a workdir's latest
-    checkpoint, or a Hugging Face Marian model."""
+    checkpoint, or a Hugging Face model of a supported family."""
     if is_workdir(source):
         from flaxformer_lite.core.checkpoints import average_params, choose_steps
         from flaxformer_lite.models import abstract_params, unrolled
@@ -114,15 +114,20 @@ def pretrained_params(source: str) -> dict[str, Any]:
 
 def pretrained_model(source: str) -> str:
     """The model class a pretrained ``source`` trained: ``"DecoderOnly"`` for a language-model
-    workdir, ``"EncoderClassifier"`` for a classification one, else ``"EncoderDecoder"``
-    (translation and synthetic workdirs, Hugging Face Marian)."""
+    workdir or a Hugging Face decoder-only family (Llama), ``"EncoderClassifier"`` for a
+    classification workdir, else ``"EncoderDecoder"`` (translation and synthetic workdirs,
+    Hugging Face Marian)."""
     if is_workdir(source):
         run = paths.resolve(source) / "config.json"
         task = json.loads(run.read_text()).get("task") if run.is_file() else None
         return {"lm": "DecoderOnly", "classification": "EncoderClassifier"}.get(
             task, "EncoderDecoder"
         )
-    return "EncoderDecoder"
+    from flaxformer_lite.interop import hf
+
+    root = hf.resolve(source)
+    family = hf.family_of(json.loads((root / "config.json").read_text()))
+    return "DecoderOnly" if family.DECODER_ONLY else "EncoderDecoder"
 
 
 def same_architecture(a: TransformerConfig, b: TransformerConfig) -> bool:
