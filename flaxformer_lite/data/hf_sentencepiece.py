@@ -81,6 +81,7 @@ class SentencePieceTokenizer(HFTokenizer):
             if token_id is not None:
                 self._added[token] = token_id
         self._skipped = set(self._added.values())
+        self._added_by_id = {i: token for token, i in self._added.items()}
         alternatives = sorted(self._added, key=len, reverse=True)  # longest match first
         self._pattern = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
 
@@ -152,9 +153,8 @@ class SentencePieceTokenizer(HFTokenizer):
         return self._to_id(piece_id)
 
     def id_to_token(self, token_id: int) -> str | None:
-        for token, i in self._added.items():
-            if i == token_id:
-                return token
+        if int(token_id) in self._added_by_id:
+            return self._added_by_id[int(token_id)]
         piece_id = self._to_piece_id(int(token_id))
         return None if piece_id is None else self._sp.id_to_piece(piece_id)
 

@@ -165,6 +165,17 @@ def cases(tmp_path_factory):
     write_config(mbart, tokenizer_class="MBartTokenizer", src_lang="en_XX", tgt_lang="ro_RO")
     add("mbart", mbart, "mbart", transformers.MBartTokenizer, MBartSentencePiece)
 
+    # An mBART model trained as a BPE: transformers 5 still scores its pieces as a unigram model.
+    train_spm(
+        root, "mbart_bpe", vocab_size=150, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1
+    )
+    mbart_bpe = root / "mbart_bpe"
+    mbart_bpe.mkdir()
+    shutil.copy(root / "mbart_bpe.model", mbart_bpe / "sentencepiece.bpe.model")
+    write_config(mbart_bpe, tokenizer_class="MBartTokenizer")
+    reference = transformers.MBartTokenizer.from_pretrained(str(mbart_bpe))
+    out["mbart_bpe"] = (mbart_bpe, "mbart", reference, MBartSentencePiece)
+
     # BART: RoBERTa's byte-level BPE as vocab.json + merges.txt.
     bart = root / "bart"
     bart.mkdir()
@@ -217,6 +228,7 @@ CASES = [
     "llama2_json",
     "mbart",
     "mbart_json",
+    "mbart_bpe",
     "bart",
     "bart_json",
     "llama3",
