@@ -106,7 +106,8 @@ class HFTokenizer(abc.ABC):
     """The tokenizer of a Hugging Face model folder, as its model family uses it.
 
     ``encode(texts)`` gives each text's ids with the family's special tokens (T5: ``</s>`` after;
-    Llama: ``<s>`` before when the config says ``add_bos_token``; BART: ``<s>`` ... ``</s>``;
+    Llama: ``<s>`` before, as ``tokenizer.json``'s post-processor or (``tokenizer.model``) the
+    config's ``add_bos_token`` says; BART: ``<s>`` ... ``</s>``;
     mBART: ... ``</s>`` and the language code), ``decode(ids)`` the text with special tokens
     skipped, as ``transformers``' tokenizer of that folder gives them. Special ids are ``None``
     where the tokenizer has no such token (T5 has no BOS, Llama no pad).
