@@ -23,8 +23,9 @@ BOS: Hugging Face's tokenizers put ``bos_token_id`` before the text and the mode
 ids as given. ``DecoderOnly.decode(input_ids)`` does the same (``DecoderOnly(ids)`` shifts
 BOS in itself, for training data without it), and ``continue_prompt`` with
 ``GenerationConfig(prepend_bos=False)`` (what ``GenerationConfig.from_hugging_face`` gives)
-continues the ids as given. A config without ``pad_token_id`` pads with EOS, as
-transformers' generate does.
+continues the ids as given. The folder's tokenizer (``data.hf_tokenizers``, returned by
+``hf.load_pretrained``) adds BOS as transformers' does. A config without ``pad_token_id`` pads
+with EOS, as transformers' generate does.
 
 Everything in ``config.json`` is either read (``_READ``), checked to have the one value this
 architecture computes (``_CHECKED``), or metadata that does not change the function
@@ -33,6 +34,7 @@ architecture computes (``_CHECKED``), or metadata that does not change the funct
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -470,7 +472,12 @@ def default_generation(config: TransformerConfig) -> dict[str, Any]:
 
 
 def load_tokenizer(root: epath.Path) -> Any:
-    """The tokenizer in ``root``: None until ``data.hf_tokenizers`` exists (the model's ids
-    are then the caller's; see the module docstring on BOS)."""
-    del root
-    return None
+    """The tokenizer in ``root`` (``data.hf_tokenizers``: ``tokenizer.json``, or Llama 2's
+    ``tokenizer.model``; its ``encode`` puts BOS first as transformers' does), read for
+    ``config.json``'s ``model_type`` (``llama`` where there is none, e.g. a train.py
+    workdir); None when ``root`` has no tokenizer file."""
+    from flaxformer_lite.data.hf_tokenizers import load_hf_tokenizer
+
+    config = root / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    return load_hf_tokenizer(str(root), model_type if model_type in MODEL_TYPES else "llama")

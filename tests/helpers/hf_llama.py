@@ -90,3 +90,23 @@ def prompts(rng, rows: int, length: int, *, min_len: int = 1, side: str = "left"
         where = slice(length - n, length) if side == "left" else slice(0, n)
         ids[r, where], mask[r, where] = real, 1
     return ids, mask
+
+
+def word_tokenizer(folder) -> dict[str, int]:
+    """Writes a word-level ``tokenizer.json`` (+ config) into ``folder``, one word per id:
+    ``<unk>`` 0, ``<s>`` BOS, ``</s>`` EOS, ``t{i}`` for the others, split on whitespace and
+    BOS put first, as a Llama tokenizer does. Returns its vocabulary (word -> id)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers", reason=_TRANSFORMERS)
+    vocab = {f"t{i}": i for i in range(VOCAB) if i not in (0, BOS, EOS)}
+    vocab |= {"<unk>": 0, "<s>": BOS, "</s>": EOS}
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    word_level.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", BOS)]
+    )
+    word_level.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins with spaces
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=word_level, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(str(folder))
+    return vocab

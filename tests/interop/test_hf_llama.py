@@ -44,6 +44,7 @@ from helpers.hf_llama import (
     llama_config,
     prompts,
     random_llama,
+    word_tokenizer,
 )
 
 # head_dim 12, theta 15000: wavelengths 2 pi 15000^(i/6) = 6.3, 31, 153, ...: with an original
@@ -72,7 +73,7 @@ def build(tmp_path_factory, name: str, qk_gain: float = 1.0, seed: int = 0):
     folder = tmp_path_factory.mktemp(f"{name}_{qk_gain}")
     model.save_pretrained(folder)
     config, params, tokenizer = hf.load_pretrained(str(folder))
-    assert tokenizer is None  # no tokenizer files (and none written for Llama yet)
+    assert tokenizer is None  # the folder has no tokenizer files
     return model, folder, config, params
 
 
@@ -308,7 +309,6 @@ def test_ctranslate2_converts_the_saved_folder_and_agrees_on_greedy_tokens(decod
     """CTranslate2 4.8's Llama converter ignores ``head_dim`` (it assumes d_model / heads):
     this model has the width it assumes, the decoding prompts and sharper attention."""
     ctranslate2 = pytest.importorskip("ctranslate2", reason="CTranslate2 is the reference")
-    tokenizers = pytest.importorskip("tokenizers")
     *_, ids, mask = decoding
     model = random_llama(llama_config(head_dim=8), seed=9, qk_gain=DECODING_QK_GAIN)
     model.save_pretrained(tmp_path / "original")
@@ -316,12 +316,7 @@ def test_ctranslate2_converts_the_saved_folder_and_agrees_on_greedy_tokens(decod
     saved = tmp_path / "saved"
     hf.save_pretrained(str(saved), config, params)
     # The converter reads the vocabulary from a tokenizer: a word-level one naming each id.
-    vocab = {f"t{i}": i for i in range(VOCAB)} | {"<unk>": 0, "<s>": BOS, "</s>": EOS}
-    vocab = {k: v for k, v in vocab.items() if k not in ("t0", f"t{BOS}", f"t{EOS}")}
-    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=word_level, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(str(saved))
+    vocab = word_tokenizer(saved)
     converted = tmp_path / "ct2"
     ctranslate2.converters.TransformersConverter(str(saved)).convert(str(converted))
     generator = ctranslate2.Generator(str(converted), device="cpu")
@@ -349,6 +344,23 @@ def test_ctranslate2_converts_the_saved_folder_and_agrees_on_greedy_tokens(decod
         agree += sum(a == b for a, b in zip(mine, theirs, strict=False))
     print(f"CTranslate2: {agree}/{total} greedy tokens equal ours")
     assert agree == total
+
+
+def test_the_folder_tokenizer_comes_back_and_adds_bos_as_transformers(variants, tmp_path):
+    """load_pretrained returns the folder's tokenizer (``data.hf_tokenizers``): its ids, BOS
+    first, are transformers' and so what the model reads; save_pretrained writes it back."""
+    _, folder, config, params = variants["llama2"]
+    source = tmp_path / "source"
+    hf.save_pretrained(str(source), config, params)
+    word_tokenizer(source)
+    _, _, tokenizer = hf.load_pretrained(str(source))
+    texts = ["t5 t6 t7", "t40 t3", "t66 unknown t9 t9"]
+    theirs = transformers.AutoTokenizer.from_pretrained(str(source))
+    want = [theirs(t)["input_ids"] for t in texts]
+    assert tokenizer.encode(texts) == want and all(ids[0] == BOS for ids in want)
+    hf.save_pretrained(str(tmp_path / "out"), config, params, tokenizer)
+    again = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert [again(t)["input_ids"] for t in texts] == want
 
 
 # ----------------------------------------------------------------------------- refusals
