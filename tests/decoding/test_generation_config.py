@@ -138,6 +138,11 @@ def test_model_dependent_checks_name_the_field_and_the_limit():
 def test_decode_len_is_the_output_width():
     assert GenerationConfig().decode_len(MARIAN) == 32  # the model's positions
     assert GenerationConfig().decode_len(MARIAN, prompt_len=5) == 26  # 32 - BOS - 5
+    # prepend_bos=False: the prompt as given, no BOS position.
+    assert GenerationConfig(prepend_bos=False).decode_len(MARIAN, prompt_len=5) == 27
+    GenerationConfig(max_len=27, prepend_bos=False).checked_for(MARIAN, prompt_len=5)
+    with pytest.raises(ValueError, match="^max_len=28 .* after a 5-token prompt.*<= 27$"):
+        GenerationConfig(max_len=28, prepend_bos=False).checked_for(MARIAN, prompt_len=5)
     assert GenerationConfig(max_len=9).decode_len(MARIAN) == 9
     # "source": min(32, int(1.5 * padded source) + 10).
     assert GenerationConfig(max_len="source").decode_len(MARIAN, source_len=8) == 22
