@@ -134,6 +134,7 @@ def test_teacher_forced_logits_match_transformers(variants, name, side):
     got = our_logits(config, params, ids, mask)
     real = mask.astype(bool)
     assert np.abs(want[real]).max() > 1.0  # logits of a size that tests something
+    print(f"{name} {side}-padded: max |logit error| {np.abs(got - want)[real].max():.1e}")
     np.testing.assert_allclose(got[real], want[real], rtol=0, atol=1e-5)
     # Each row's logits are those of the row alone, unpadded (the padding changes nothing).
     row = int(np.flatnonzero(mask.sum(1) < 10)[0])
