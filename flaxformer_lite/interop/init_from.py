@@ -67,8 +67,8 @@ def is_workdir(source: str) -> bool:
 
 
 def pretrained_config(source: str) -> TransformerConfig:
-    """The ``TransformerConfig`` of a train.py workdir or a Hugging Face Marian folder / hub
-    id, without reading its weights."""
+    """The ``TransformerConfig`` of a train.py workdir or a Hugging Face folder / hub id of a
+    supported family (Marian, Llama), without reading its weights."""
     if is_workdir(source):
         root = paths.resolve(source)
         return TransformerConfig.from_json((root / "model_config.json").read_text())
