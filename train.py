@@ -37,7 +37,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxformer_lite.core import paths, sharding
-from flaxformer_lite.core.checkpoint_errors import CheckpointError
+from flaxformer_lite.core.checkpoint_errors import CheckpointError, SaveError
 from flaxformer_lite.core.checkpoints import Checkpointer
 from flaxformer_lite.data import reading as data
 from flaxformer_lite.data import tasks
@@ -828,14 +828,17 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                 pending = []
                 window.stop_clock(clock())
                 if save_failed:  # the steps since the last intact checkpoint are lost: no row
-                    checkpoint_faults.raise_save_failure(checkpointer)
+                    checkpoint_faults.raise_save_failure(checkpointer, done)
                 if log_now or stop:  # a stopped run logs its last, partial window
                     write_train_line(run, done, window, peak, bar)
                     window = LogWindow()
                 if preempted:
                     print(preemption.notice(done), flush=True)
                 if save_now or stop:
-                    save_checkpoint(run, done, state, force=stop)  # `finally` waits for it
+                    try:  # `finally` waits for it
+                        save_checkpoint(run, done, state, force=stop)
+                    except SaveError:  # the save before it failed, seen while waiting for it
+                        checkpoint_faults.raise_save_failure(checkpointer, done)
                 if stop:
                     return {}
                 if eval_now:
