@@ -120,11 +120,16 @@ class QuietOrbaxFailures(logging.Filter):
 
 class _QuietOrphans(logging.Filter):
     """Drops asyncio's "exception was never retrieved" records of Orbax's write tasks that a
-    failed save left behind (logged when they are garbage collected, up to the exit)."""
+    failed save left behind (logged when they are garbage collected, up to the exit), and its
+    "Task was destroyed but it is pending!" records of those a failed save left waiting (on a
+    process of a multi-host run, for the folder another process could not create)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        orphan = "exception was never retrieved" in message
+        orphan = any(
+            what in message
+            for what in ("exception was never retrieved", "Task was destroyed but it is pending")
+        )
         return not (orphan and any(w in message for w in ("OCDBT", "orbax", "tensorstore")))
 
 

@@ -110,7 +110,8 @@ def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait
     ``wait=False``: the running Popen (stdout and stderr together), else the finished run,
     asserted successful. ``prefix``: a command that runs the command line after it (e.g.
     ``unshare``)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # faulthandler: a SIGABRT (a test's timeout) prints where every thread of the run stands
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1"}
     if devices > 1:
         env["XLA_FLAGS"] = (
             f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
