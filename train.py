@@ -594,9 +594,9 @@ class Run:
     log: Callable[..., None]
 
 
-def evaluate(run: Run, params, step: int) -> dict[str, float]:
+def evaluate(run: Run, params, step: int, *, write: bool = True) -> dict[str, float]:
     """Eval-set metrics (and decoding metrics when the task has them) of ``params``, written
-    to ``metrics.jsonl`` and logged."""
+    to ``metrics.jsonl`` (unless ``write`` is False) and logged."""
     totals = dict.fromkeys(sum_keys(run.cfg), 0.0)
     for batch in run.task.eval_batches:
         batch = sharding.host_local_to_global(sharding.process_rows(batch), run.mesh)
@@ -610,7 +610,8 @@ def evaluate(run: Run, params, step: int) -> dict[str, float]:
             run.log(f"  {src!r} -> {hyp!r} (reference {ref!r})")
     if run.task.kind == "lm" and run.config.decode_eval:
         run.log(f"  sample: {lm_sample(run.task, params, run.cfg, step, run.mesh)!r}")
-    run.writer.write(step, metrics)
+    if write:
+        run.writer.write(step, metrics)
     run.log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 
@@ -853,7 +854,10 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
             if final not in checkpointer.all_steps():
                 save_checkpoint(run, final, state, force=True)
             if not eval_metrics or (config.eval_every and final % config.eval_every):
-                eval_metrics = evaluate(run, state.params, final)
+                # A rerun of a finished run trains nothing: it evaluates again for its final
+                # line, but its row is written already (unless that run died evaluating).
+                again = final == start_step and run.writer.has_row(final, "eval/")
+                eval_metrics = evaluate(run, state.params, final, write=not again)
     finally:
         bar.close()
         preemption.close()
