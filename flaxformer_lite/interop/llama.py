@@ -329,7 +329,8 @@ def config_to_hf(config: TransformerConfig, *, dequantize: bool = False) -> dict
             + "; ".join(differences)
         )
     model_type = "qwen2" if config.qkv_bias else "llama"
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    theta = 10000.0 if config.rope_theta is None else float(config.rope_theta)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if config.rope_scaling is not None:
         factor, low, high, original = config.rope_scaling
         rope.update(

@@ -81,7 +81,8 @@ class MultiHeadAttention(nn.Module):
     ``FusedQKVProjection`` (parameters under "qkv" instead of "query"/"key"/"value");
     cross-attention always keeps its separate projections.
 
-    ``rope_theta`` / ``rope_scaling``: the rotary frequencies (``positions.rotary``).
+    ``rope_theta`` / ``rope_scaling``: the rotary frequencies (``TransformerConfig``'s; both
+    None: ``positions.rotary``'s own, else ``positions.rope_inv_freq``).
     ``qkv_bias``: biases on the query, key and value projections (None: ``use_bias``; the
     output projection follows ``use_bias`` alone).
 
@@ -102,7 +103,7 @@ class MultiHeadAttention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     quantization: str | None = None
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None
     rope_scaling: tuple[float, float, float, int] | None = None
     qkv_bias: bool | None = None
 
@@ -234,7 +235,11 @@ class MultiHeadAttention(nn.Module):
             return x
         if positions is None:
             positions = jnp.arange(x.shape[1])[None]
-        return pos_lib.rotary(x, positions, self.rope_theta, self.rope_scaling)
+        if self.rope_theta is None and self.rope_scaling is None:
+            return pos_lib.rotary(x, positions)
+        theta = 10000.0 if self.rope_theta is None else self.rope_theta
+        inv_freq = pos_lib.rope_inv_freq(x.shape[-1], theta, self.rope_scaling)
+        return pos_lib.rotary(x, positions, inv_freq=inv_freq)
 
     def _project_kv(self, source: Array, positions: Array | None) -> tuple[Array, Array]:
         """Keys (rotated at ``positions``) and values `[batch, len, kv_heads, head_dim]`."""

@@ -133,8 +133,11 @@ class TransformerConfig:
         encoder-decoder and decoder-only models; mixture-of-experts blocks stay float).
 
     Llama family (``interop/llama.py``; defaults leave every other model as it was):
-      rope_theta: the base of the rotary frequencies, ``theta^(-2i/head_dim)`` (Hugging Face's
-        ``rope_theta``; 10000 as RoFormer; Llama 3: 500000). A number > 0.
+      rope_theta: the base of the rotary frequencies ``theta^(-2i/head_dim)``: a number > 0
+        (Hugging Face's ``rope_theta``: 10000 as RoFormer, Llama 3 500000), the frequencies
+        then computed exactly as transformers computes them (``ops.positions.rope_inv_freq``);
+        or None, 10000 computed as this library always has (float32 JAX; an ulp apart from
+        transformers' in some channels), which keeps earlier models bitwise as they were.
       rope_scaling_factor: Llama 3's ``rope_scaling`` (``rope_type="llama3"``): None (off) or
         a number >= 1 that divides the low rotary frequencies (wavelength above
         ``rope_original_max_len / rope_low_freq_factor``), interpolating smoothly up to the
@@ -195,7 +198,7 @@ class TransformerConfig:
     head_dim: int | None = None
     quantization: str | None = None
     # Llama family (interop/llama.py).
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None
     rope_scaling_factor: float | None = None
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -391,7 +394,7 @@ class TransformerConfig:
         self._check_relative()
 
     def _check_rope(self) -> None:
-        """Rotary frequencies: theta > 0; Llama 3 scaling None or a factor >= 1 with
+        """Rotary frequencies: theta None or > 0; Llama 3 scaling None or a factor >= 1 with
         0 < low < high frequency factors and a positive original length."""
 
         def number(name: str) -> float:
@@ -400,7 +403,8 @@ class TransformerConfig:
                 raise ValueError(f"TransformerConfig.{name} must be a number > 0; got {value!r}")
             return value
 
-        number("rope_theta")
+        if self.rope_theta is not None:
+            number("rope_theta")
         low, high = number("rope_low_freq_factor"), number("rope_high_freq_factor")
         original = self.rope_original_max_len
         if not isinstance(original, int) or isinstance(original, bool) or original <= 0:

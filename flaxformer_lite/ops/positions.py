@@ -10,6 +10,8 @@ cached decoder step asks for its own position. Relative schemes act inside atten
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -106,25 +108,22 @@ def rope_inv_freq(
 
 
 def rotary(
-    x: Array,
-    positions: Array,
-    max_timescale: float = 10000.0,
-    scaling: tuple[float, float, float, int] | None = None,
+    x: Array, positions: Array, max_timescale: float = 10000.0, inv_freq: Any = None
 ) -> Array:
     """Rotary position embedding (RoFormer) of x `[batch, length, heads, head_dim]`.
 
     Channel pairs (i, i + head_dim/2) are rotated by the angle position / 10000^(2i/head_dim),
     so the dot product of a rotated query and key depends only on their distance: Hugging
     Face's ``rotate_half`` layout, ``x * cos + rotate_half(x) * sin``. ``max_timescale`` is
-    the base (``rope_theta``). ``scaling``: Llama 3's frequencies (``rope_inv_freq``; with
-    it the frequencies are computed exactly as transformers does).
+    the base; ``inv_freq`` float `[head_dim / 2]`, when given, the frequencies themselves
+    (``rope_inv_freq``: transformers' exactly, Llama 3's scaling included).
     positions: int `[batch, length]`.
     """
     half = x.shape[-1] // 2
-    if scaling is None:
+    if inv_freq is None:
         inv_timescale = max_timescale ** (-jnp.arange(half, dtype=jnp.float32) / half)
     else:
-        inv_timescale = jnp.asarray(rope_inv_freq(2 * half, max_timescale, scaling))
+        inv_timescale = jnp.asarray(inv_freq, jnp.float32)
     angles = positions[..., None].astype(jnp.float32) * inv_timescale  # [b, n, half]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)

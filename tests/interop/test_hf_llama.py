@@ -157,18 +157,23 @@ def test_rotary_frequencies_equal_transformers(variants):
 
 def test_rotary_is_hugging_face_rotate_half():
     """Our rotation of queries equals transformers' ``apply_rotary_pos_emb`` with its own
-    cos/sin tables (rotate_half: channel i pairs with i + head_dim / 2)."""
+    cos/sin tables (rotate_half: channel i pairs with i + head_dim / 2), with Llama 3's
+    scaling and without, to float32 rounding of sin and cos."""
     from transformers.models.llama import modeling_llama
 
-    config = llama_config("llama", rope_parameters=LLAMA3_ROPE)
-    rope = modeling_llama.LlamaRotaryEmbedding(config)
     x = np.random.default_rng(0).normal(size=(2, 40, 3, 12)).astype(np.float32)
     positions = np.stack([np.arange(40), np.arange(40) + 17])
     xt = torch.from_numpy(x).transpose(1, 2)  # [batch, heads, length, head_dim]
-    cos, sin = rope(xt, torch.from_numpy(positions))
-    want, _ = modeling_llama.apply_rotary_pos_emb(xt, xt, cos, sin)
-    got = rotary(jnp.asarray(x), jnp.asarray(positions), 15000.0, (8.0, 1.0, 4.0, 32))
-    np.testing.assert_allclose(np.asarray(got), want.transpose(1, 2).numpy(), rtol=0, atol=2e-5)
+    default = {"rope_type": "default", "rope_theta": 10000.0}
+    for rope, scaling in ((LLAMA3_ROPE, (8.0, 1.0, 4.0, 32)), (default, None)):
+        config = llama_config("llama", rope_parameters=dict(rope))
+        cos, sin = modeling_llama.LlamaRotaryEmbedding(config)(xt, torch.from_numpy(positions))
+        want, _ = modeling_llama.apply_rotary_pos_emb(xt, xt, cos, sin)
+        inv_freq = rope_inv_freq(12, rope["rope_theta"], scaling)
+        got = rotary(jnp.asarray(x), jnp.asarray(positions), inv_freq=inv_freq)
+        np.testing.assert_allclose(
+            np.asarray(got), want.transpose(1, 2).numpy(), rtol=0, atol=1e-6, err_msg=str(rope)
+        )
 
 
 # ----------------------------------------------------------------------------- decoding
