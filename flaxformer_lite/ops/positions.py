@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_lite.core.logical_params import logical_init
+
 Array = jax.Array
 
 
@@ -66,7 +68,7 @@ class LearnedPositions(nn.Module):
         """x `[batch, length, dim]`, positions int `[batch, length]` -> x + embedding."""
         table = self.param(
             "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+            logical_init(nn.initializers.normal(0.02), (None, "embed")),
             (self.max_len, self.dim),
             self.param_dtype,
         )
@@ -226,7 +228,7 @@ class RelativePositionBias(nn.Module):
     def __call__(self, query_positions: Array, key_positions: Array) -> Array:
         table = self.param(
             "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "heads")),
+            logical_init(nn.initializers.normal(0.02), (None, "heads")),
             (self.num_buckets, self.num_heads),
             self.param_dtype,
         )
