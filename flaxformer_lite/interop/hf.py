@@ -1,31 +1,16 @@
-"""Hugging Face Marian (opus-mt) checkpoints in and out of flaxformer_lite.
+"""Hugging Face checkpoints in and out of flaxformer_lite, whatever the family.
 
     config, params, tokenizer = load_pretrained("Helsinki-NLP/opus-mt-en-de")  # or a local folder
-    save_pretrained("out/", config, params, tokenizer)  # MarianMTModel / CTranslate2 read it
+    save_pretrained("out/", config, params, tokenizer)  # transformers / CTranslate2 read it
 
-A Marian model is the paper's Transformer with a few choices of its own, each a
-``TransformerConfig`` field rather than a special case here: swish (``activation="silu"``), the
-sinusoids as sine and cosine halves (``sinusoid_layout="halves"``), embeddings scaled or not
-(``scale_embeddings``), a final logits bias (``logits_bias``), LayerNorm epsilon 1e-5, tied or
-separate embeddings, and its own special ids (pad = decoder start = the last id, EOS 0, UNK 1).
+``load_pretrained`` reads ``config.json``'s ``model_type`` and hands the folder to that
+family's module beside this one (``FAMILIES``: ``marian``, ...), which knows the family's
+config fields, its parameter names (as ``naming.Tensor`` rows: one map read both ways) and its
+tokenizer. ``save_pretrained`` writes a config as the one family that can express it (or the
+``model_type`` asked for).
 
 Reading needs neither torch nor transformers: ``config.json`` is JSON, ``model.safetensors``
-reads into NumPy (a ``pytorch_model.bin`` needs torch). Parameter names map one to one::
-
-    model.{en,de}coder.layers.i.self_attn.{q,k,v}_proj  ->  .../layers_i/self_attention/{query,...}
-    model.{en,de}coder.layers.i.self_attn.out_proj      ->  .../layers_i/self_attention/out
-    model.decoder.layers.i.encoder_attn.*               ->  decoder/layers_i/cross_attention/*
-    *.self_attn_layer_norm, *.encoder_attn_layer_norm   ->  {self,cross}_attention_norm
-    *.fc1 / fc2 / final_layer_norm                      ->  mlp/wi / mlp/wo / mlp_norm
-    model.shared (all tied; else encoder.embed_tokens)  ->  source_embedding
-    model.decoder.embed_tokens (not all tied)           ->  target_embedding
-    lm_head (untied)                                    ->  decoder/logits (transposed)
-    final_logits_bias `[1, vocab]`                      ->  decoder/logits_bias `[vocab]`
-
-PyTorch ``Linear`` weights are `[out, in]`; ours are `[in, heads, head_dim]` (queries, keys,
-values), `[heads, head_dim, out]` (attention output) and `[in, out]` (feed-forward). Marian's
-sinusoidal position tables are not parameters here (a checkpoint that stores one is checked
-against ours).
+reads into NumPy (a ``pytorch_model.bin`` needs torch).
 
 A folder's generation config (how its ``generate()`` decodes) is read by
 ``decoding.hf_generation``, whose names are re-exported here, and becomes the options of our
@@ -36,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -51,391 +37,110 @@ from flaxformer_lite.decoding.hf_generation import (  # noqa: F401  (defined her
     generation_defaults,
     unsupported_generation,
 )
+from flaxformer_lite.interop import marian
+from flaxformer_lite.interop.marian import (  # noqa: F401  (defined here before)
+    FROM_HF_ACTIVATION,
+    TO_HF_ACTIVATION,
+)
 from flaxformer_lite.nn.config import TransformerConfig
 
-# Hugging Face ``activation_function`` -> ``TransformerConfig.activation``, and back.
-FROM_HF_ACTIVATION = {
-    "swish": "silu",
-    "silu": "silu",
-    "relu": "relu",
-    "gelu": "gelu_exact",
-    "gelu_new": "gelu",
-    "gelu_pytorch_tanh": "gelu",
-}
-TO_HF_ACTIVATION = {"silu": "swish", "relu": "relu", "gelu_exact": "gelu", "gelu": "gelu_new"}
-
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json")
+
+# Each family module has: NAME, MODEL_TYPES, DECODER_ONLY, config_from_hf(hf, *, unk_id),
+# problems(config, *, dequantize) -> list[str], config_to_hf(config, *, dequantize),
+# params_from_state_dict(state, config), state_dict_from_params(plain params, config),
+# generation_ids(config) and default_generation(config) (generation_config.json's special ids,
+# and its content when none is given), load_tokenizer(root) -> tokenizer | None.
+FAMILY_MODULES: tuple[ModuleType, ...] = (marian,)
+FAMILIES: dict[str, ModuleType] = {t: f for f in FAMILY_MODULES for t in f.MODEL_TYPES}
 
 Params = dict[str, Any]
 
 
-# ----------------------------------------------------------------------------- configs
+# ----------------------------------------------------------------------------- families
 
 
-def _hf_int(hf: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    value = hf.get(key, default)
-    if value is None:
-        raise ValueError(f"config.json has no {key!r}, which a Marian model needs")
-    return value
-
-
-def config_from_hf(hf: Mapping[str, Any], *, unk_id: int = 1) -> TransformerConfig:
-    """The ``TransformerConfig`` of a Hugging Face Marian ``config.json`` (a dict).
-
-    ``unk_id`` comes from the vocabulary (``<unk>``, 1 in every Marian vocabulary), which the
-    model config does not record.
+def family_of(hf: Mapping[str, Any]) -> ModuleType:
+    """The family module of a ``config.json`` dict, by its ``model_type``.
 
     Raises:
-      ValueError: not a Marian config, or one this architecture cannot express (different
-        encoder/decoder widths or head counts, an unknown activation, activation dropout),
-        naming the key.
+      ValueError: an unsupported ``model_type`` (named, with the supported ones).
     """
     model_type = hf.get("model_type")
-    if model_type != "marian":
+    if model_type not in FAMILIES:
         raise ValueError(
-            f"config.json has model_type {model_type!r}; load_pretrained reads Marian "
-            "(model_type 'marian', e.g. Helsinki-NLP/opus-mt-*) checkpoints"
+            f"config.json has model_type {model_type!r}; load_pretrained reads "
+            + ", ".join(f"{f.NAME} (model_type {'/'.join(f.MODEL_TYPES)})" for f in FAMILY_MODULES)
         )
-    for enc, dec in (
-        ("encoder_attention_heads", "decoder_attention_heads"),
-        ("encoder_ffn_dim", "decoder_ffn_dim"),
-    ):
-        if hf.get(enc) != hf.get(dec):
+    return FAMILIES[model_type]
+
+
+def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> TransformerConfig:
+    """The ``TransformerConfig`` of a Hugging Face ``config.json`` dict of a supported family.
+
+    ``unk_id``: the vocabulary's unknown id where the model config does not record it (None:
+    the family's default).
+
+    Raises:
+      ValueError: an unsupported ``model_type``, or a config field the family module cannot
+        express (named).
+    """
+    return family_of(hf).config_from_hf(hf, unk_id=unk_id)
+
+
+def family_for(
+    config: TransformerConfig, *, model_type: str | None = None, dequantize: bool = False
+) -> ModuleType:
+    """The family that writes ``config``: the one named by ``model_type``, else the only family
+    that can express it.
+
+    Raises:
+      ValueError: an unknown ``model_type``; or no family (each one's differences listed) or
+        several can express ``config`` without ``model_type``.
+    """
+    if model_type is not None:
+        if model_type not in FAMILIES:
             raise ValueError(
-                f"config.json has {enc}={hf.get(enc)} but {dec}={hf.get(dec)}; "
-                "TransformerConfig has one value for both stacks"
+                f"model_type={model_type!r} is not a supported family; valid: {sorted(FAMILIES)}"
             )
-    act = hf.get("activation_function", "gelu")
-    if act not in FROM_HF_ACTIVATION:
+        family = FAMILIES[model_type]
+        family.config_to_hf(config, dequantize=dequantize)  # raises, naming the differences
+        return family
+    fits = [f for f in FAMILY_MODULES if not f.problems(config, dequantize=dequantize)]
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        if len(FAMILY_MODULES) == 1:
+            FAMILY_MODULES[0].config_to_hf(config, dequantize=dequantize)  # its one message
         raise ValueError(
-            f"config.json activation_function {act!r} is not supported; "
-            f"valid: {sorted(FROM_HF_ACTIVATION)}"
+            "save_pretrained writes "
+            + ", ".join(f.NAME for f in FAMILY_MODULES)
+            + " models; this TransformerConfig is none of them: "
+            + " | ".join(
+                f"{f.NAME}: " + "; ".join(f.problems(config, dequantize=dequantize))
+                for f in FAMILY_MODULES
+            )
         )
-    if float(hf.get("activation_dropout") or 0.0) > 0:
-        raise ValueError(
-            f"config.json activation_dropout={hf['activation_dropout']}: dropout inside the "
-            "feed-forward block is not part of TransformerConfig; set it to 0.0"
-        )
-    vocab = _hf_int(hf, "vocab_size")
-    shared = bool(hf.get("share_encoder_decoder_embeddings", True))
-    tied = bool(hf.get("tie_word_embeddings", True))
-    target_vocab = hf.get("decoder_vocab_size") or vocab
-    # transformers 5: tie_word_embeddings=False unties everything, even with shared
-    # embeddings: the encoder's and decoder's embed_tokens and lm_head are three tensors (the
-    # model's ``shared`` is then unused). That is our separate tables with one vocabulary.
-    if shared and not tied and target_vocab != vocab:
-        raise ValueError(
-            f"config.json has share_encoder_decoder_embeddings=True, tie_word_embeddings=False "
-            f"and decoder_vocab_size={target_vocab} != vocab_size={vocab}: the decoder's "
-            "embedding and lm_head would have different vocabularies; a Marian model has "
-            "decoder_vocab_size equal to vocab_size (or null) there"
-        )
-    pad = _hf_int(hf, "pad_token_id")
-    return TransformerConfig(
-        vocab_size=vocab,
-        target_vocab_size=None if shared else target_vocab,
-        d_model=_hf_int(hf, "d_model"),
-        num_heads=_hf_int(hf, "encoder_attention_heads"),
-        d_ff=_hf_int(hf, "encoder_ffn_dim"),
-        num_encoder_layers=_hf_int(hf, "encoder_layers"),
-        num_decoder_layers=_hf_int(hf, "decoder_layers"),
-        dropout_rate=float(hf.get("dropout", 0.1)),
-        attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
-        max_len=_hf_int(hf, "max_position_embeddings"),
-        activation=FROM_HF_ACTIVATION[act],
-        norm_position="post",
-        norm_type="layernorm",
-        layer_norm_epsilon=1e-5,  # torch.nn.LayerNorm's default, which Marian keeps
-        position="sinusoidal",
-        sinusoid_layout="halves",
-        scale_embeddings=bool(hf.get("scale_embedding", False)),
-        share_embeddings=shared and tied,
-        tie_output_embedding=tied,
-        logits_bias=True,
-        use_bias=True,
-        pad_id=pad,
-        bos_id=hf.get("decoder_start_token_id", pad),
-        eos_id=_hf_int(hf, "eos_token_id"),
-        unk_id=unk_id,
+    raise ValueError(
+        "this TransformerConfig can be written as "
+        + " or ".join(f"model_type={f.MODEL_TYPES[0]!r}" for f in fits)
+        + "; pass model_type to choose"
     )
 
 
-# What save_pretrained does with each TransformerConfig field (tests/interop/test_hf_marian.py walks
-# every field of the dataclass against its own copy of this classification):
-# - written to config.json: vocab_size, target_vocab_size, d_model, num_heads, d_ff,
-#   num_encoder_layers, num_decoder_layers, dropout_rate, attention_dropout_rate, max_len,
-#   activation, scale_embeddings, share_embeddings, tie_output_embedding, pad_id, bos_id,
-#   eos_id; logits_bias=False is written as a zero final_logits_bias;
-# - refused where Marian cannot express the value (``_marian_problems``): num_kv_heads,
-#   head_dim, activation (gated), norm_position, norm_type, layer_norm_epsilon, position,
-#   sinusoid_layout, use_bias, fused_qkv, num_experts (with moe_every), attention_window,
-#   quantization (unless ``dequantize``);
-# - irrelevant to the saved model (precision, memory, layout, training or the classifier
-#   head, or inert because a refused field is off): dtype, param_dtype,
-#   attention_implementation, remat, scan_layers, num_classes, pooling, unk_id (the
-#   vocabulary's), num_experts_per_token, expert_capacity_factor, moe_aux_loss_weight,
-#   router_z_loss_weight, attention_window_layers, relative_num_buckets,
-#   relative_max_distance.
-MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; MarianConfig has no field
-
-
-def _marian_problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str]:
-    """What keeps ``config`` from being written as a Marian model (empty when nothing)."""
-    wanted = {
-        "norm_position": "post",
-        "norm_type": "layernorm",
-        "position": "sinusoidal",
-        "sinusoid_layout": "halves",
-        "use_bias": True,
-        "fused_qkv": False,
-        "layer_norm_epsilon": MARIAN_LAYER_NORM_EPSILON,
-        "attention_window": None,
-    }
-    problems = [
-        f"{name}={getattr(config, name)!r} (Marian: {value!r})"
-        for name, value in wanted.items()
-        if getattr(config, name) != value
-    ]
-    if config.activation not in TO_HF_ACTIVATION:
-        problems.append(
-            f"activation={config.activation!r} (Marian: one of {list(TO_HF_ACTIVATION)})"
-        )
-    if config.kv_heads != config.num_heads:
-        problems.append(f"num_kv_heads={config.num_kv_heads} (Marian: multi-head, None)")
-    if config.effective_head_dim * config.num_heads != config.d_model:
-        problems.append(
-            f"head_dim={config.head_dim} (Marian: d_model / num_heads = "
-            f"{config.d_model / config.num_heads:g}, or None)"
-        )
-    layers = max(config.num_encoder_layers, config.num_decoder_layers)
-    if any(config.is_moe_layer(i) for i in range(layers)):
-        problems.append(
-            f"num_experts={config.num_experts} with moe_every={config.moe_every} (Marian: "
-            "dense feed-forward layers, num_experts=0)"
-        )
-    if config.quantization is not None and not dequantize:
-        problems.append(
-            f"quantization={config.quantization!r} (Marian: float weights, None; "
-            "dequantize=True, or --dequantize, writes the int8 weights as float32 q * scale)"
-        )
-    return problems
-
-
-def _hf_shared(config: TransformerConfig) -> bool:
-    """Marian's ``share_encoder_decoder_embeddings`` for ``config``: True for one table, and
-    for separate tables of one vocabulary with an untied output (transformers 5 unties all
-    three tables then; ``config_from_hf`` reads that back as separate tables)."""
-    if config.share_embeddings:
-        return True
-    return not config.tie_output_embedding and config.target_vocab_size is None
-
-
-def config_to_hf(config: TransformerConfig, *, dequantize: bool = False) -> dict[str, Any]:
-    """The Marian ``config.json`` dict of ``config``.
-
-    ``dequantize``: accept ``quantization="int8"`` (the weights are then written as float32;
-    see ``save_pretrained``).
+def config_to_hf(
+    config: TransformerConfig, *, model_type: str | None = None, dequantize: bool = False
+) -> dict[str, Any]:
+    """The ``config.json`` dict of ``config`` as ``family_for`` chooses its family.
 
     Raises:
-      ValueError: ``config`` is not a Marian architecture (e.g. pre-LN, rotary, interleaved
-        sinusoids, grouped-query attention, LayerNorm epsilon other than 1e-5, a local
-        attention window, mixture-of-experts layers, int8 weights), listing every field that
-        differs.
+      ValueError: see ``family_for`` (every field that keeps ``config`` from the family named).
     """
-    problems = _marian_problems(config, dequantize=dequantize)
-    if problems:
-        raise ValueError(
-            "save_pretrained writes Marian models; this TransformerConfig differs in: "
-            + "; ".join(problems)
-        )
-    return {
-        "architectures": ["MarianMTModel"],
-        "model_type": "marian",
-        "vocab_size": config.vocab_size,
-        "decoder_vocab_size": config.output_vocab_size,
-        "share_encoder_decoder_embeddings": _hf_shared(config),
-        "tie_word_embeddings": config.tie_output_embedding,
-        "d_model": config.d_model,
-        "encoder_layers": config.num_encoder_layers,
-        "decoder_layers": config.num_decoder_layers,
-        "encoder_attention_heads": config.num_heads,
-        "decoder_attention_heads": config.num_heads,
-        "encoder_ffn_dim": config.d_ff,
-        "decoder_ffn_dim": config.d_ff,
-        "activation_function": TO_HF_ACTIVATION[config.activation],
-        "dropout": config.dropout_rate,
-        "attention_dropout": config.attention_dropout_rate,
-        "activation_dropout": 0.0,
-        "max_position_embeddings": config.max_len,
-        "scale_embedding": config.scale_embeddings,
-        "pad_token_id": config.pad_id,
-        "eos_token_id": config.eos_id,
-        "forced_eos_token_id": config.eos_id,
-        "decoder_start_token_id": config.bos_id,
-        "is_encoder_decoder": True,
-        "use_cache": True,
-    }
+    family = family_for(config, model_type=model_type, dequantize=dequantize)
+    return family.config_to_hf(config, dequantize=dequantize)
 
 
-# ----------------------------------------------------------------------------- parameters
-
-
-def _stack_names(config: TransformerConfig) -> list[tuple[str, str, int]]:
-    return [
-        ("encoder", "model.encoder", config.num_encoder_layers),
-        ("decoder", "model.decoder", config.num_decoder_layers),
-    ]
-
-
-def _layer_map(stack: str) -> list[tuple[str, str]]:
-    """(HF module, our module) pairs inside one layer of ``stack``."""
-    pairs = [("self_attn", "self_attention"), ("self_attn_layer_norm", "self_attention_norm")]
-    if stack == "decoder":
-        pairs += [
-            ("encoder_attn", "cross_attention"),
-            ("encoder_attn_layer_norm", "cross_attention_norm"),
-        ]
-    pairs += [("fc1", "mlp/wi"), ("fc2", "mlp/wo"), ("final_layer_norm", "mlp_norm")]
-    return pairs
-
-
-_PROJECTIONS = (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"), ("out_proj", "out"))
-
-
-def _strip_prefix(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Keys as ``model.*`` / ``lm_head.*`` / ``final_logits_bias`` whatever the checkpoint's
-    prefix (some store ``marian.model.*``; base-model checkpoints have no ``model.``)."""
-    out = {}
-    for key, value in state.items():
-        for prefix in ("marian.", "module."):
-            key = key.removeprefix(prefix)
-        if key.startswith(("encoder.", "decoder.", "shared.")):
-            key = "model." + key
-        out[key] = value
-    return out
-
-
-def _check_positions(state: Mapping[str, np.ndarray], config: TransformerConfig) -> None:
-    from flaxformer_lite.ops.positions import sinusoidal
-
-    table = None
-    for stack in ("encoder", "decoder"):
-        stored = state.get(f"model.{stack}.embed_positions.weight")
-        if stored is None:
-            continue
-        if table is None:
-            table = np.asarray(sinusoidal(config.max_len, config.d_model, layout="halves"))
-        if stored.shape != table.shape or not np.allclose(stored, table, atol=1e-4):
-            raise ValueError(
-                f"model.{stack}.embed_positions.weight is not Marian's sinusoid table "
-                f"[{config.max_len}, {config.d_model}] (sin | cos halves); learned or other "
-                "positions are not a Marian model"
-            )
-
-
-def params_from_state_dict(state: Mapping[str, np.ndarray], config: TransformerConfig) -> Params:
-    """Our ``params`` (nested dicts of float32 NumPy arrays, unrolled layers) from a Marian
-    state dict (names -> arrays, as in ``model.safetensors``).
-
-    Raises:
-      ValueError: a tensor the config needs is missing or has another shape (named), or
-        tensors are left over that this mapping does not know (named).
-    """
-    state = _strip_prefix(state)
-    used: set[str] = set()
-    d, h, hd = config.d_model, config.num_heads, config.effective_head_dim
-
-    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in state:
-            raise ValueError(f"the checkpoint has no tensor {name!r} (expected shape {shape})")
-        value = np.asarray(state[name], dtype=np.float32)
-        if value.shape != shape:
-            raise ValueError(
-                f"tensor {name!r} has shape {value.shape}; the config (config.json) implies {shape}"
-            )
-        used.add(name)
-        return value
-
-    def first(names: list[str], shape: tuple[int, ...]) -> np.ndarray:
-        for name in names:
-            if name in state:
-                return take(name, shape)
-        raise ValueError(f"the checkpoint has none of {names} (expected shape {shape})")
-
-    params: Params = {}
-    for stack, prefix, layers in _stack_names(config):
-        for i in range(layers):
-            layer: Params = {}
-            for hf_module, ours in _layer_map(stack):
-                base = f"{prefix}.layers.{i}.{hf_module}"
-                if hf_module.endswith("attn"):
-                    block: Params = {}
-                    for hf_proj, our_proj in _PROJECTIONS:
-                        w = take(f"{base}.{hf_proj}.weight", (d, d))
-                        b = take(f"{base}.{hf_proj}.bias", (d,))
-                        if our_proj == "out":  # [d_out, h*hd] -> [h, hd, d_out]
-                            block[our_proj] = {"kernel": w.T.reshape(h, hd, d), "bias": b}
-                        else:  # [h*hd, d_in] -> [d_in, h, hd]
-                            block[our_proj] = {
-                                "kernel": w.T.reshape(d, h, hd),
-                                "bias": b.reshape(h, hd),
-                            }
-                    layer[ours] = block
-                elif hf_module.endswith("layer_norm"):
-                    layer[ours] = {
-                        "scale": take(f"{base}.weight", (d,)),
-                        "bias": take(f"{base}.bias", (d,)),
-                    }
-                else:  # fc1 [d_ff, d] -> wi [d, d_ff]; fc2 [d, d_ff] -> wo [d_ff, d]
-                    shape = (config.d_ff, d) if hf_module == "fc1" else (d, config.d_ff)
-                    group, name = ours.split("/")
-                    layer.setdefault(group, {})[name] = {
-                        "kernel": take(f"{base}.weight", shape).T,
-                        "bias": take(f"{base}.bias", (shape[0],)),
-                    }
-            params.setdefault(stack, {})[f"layers_{i}"] = layer
-
-    vocab, target_vocab = config.vocab_size, config.output_vocab_size
-    if config.share_embeddings:  # one table, stored under any of its tied names
-        names = ["model.shared.weight", "model.encoder.embed_tokens.weight"]
-        names += ["model.decoder.embed_tokens.weight", "lm_head.weight"]
-        params["source_embedding"] = {"embedding": first(names, (vocab, d))}
-    else:  # the tables each stack reads (``model.shared``, if any, is not one of them)
-        params["source_embedding"] = {
-            "embedding": take("model.encoder.embed_tokens.weight", (vocab, d))
-        }
-        names = ["model.decoder.embed_tokens.weight"]
-        names += ["lm_head.weight"] if config.tie_output_embedding else []
-        params["target_embedding"] = {"embedding": first(names, (target_vocab, d))}
-    if not config.tie_output_embedding:
-        params["decoder"]["logits"] = {"kernel": take("lm_head.weight", (target_vocab, d)).T}
-    bias = state.get("final_logits_bias")
-    params["decoder"]["logits_bias"] = (
-        np.zeros((target_vocab,), np.float32)
-        if bias is None
-        else take("final_logits_bias", (1, target_vocab))[0]
-    )
-    _check_positions(state, config)
-    # Tied copies of the embedding and the position tables carry nothing new; with separate
-    # tables, MarianMTModel does not read ``model.shared`` (share_encoder_decoder_embeddings
-    # with tie_word_embeddings=False still stores it).
-    redundant = {
-        "model.shared.weight",
-        "model.encoder.embed_tokens.weight",
-        "model.decoder.embed_tokens.weight",
-        "model.encoder.embed_positions.weight",
-        "model.decoder.embed_positions.weight",
-    }
-    if config.tie_output_embedding:
-        redundant.add("lm_head.weight")
-    left = sorted(set(state) - used - redundant)
-    if left:
-        raise ValueError(f"the checkpoint has tensors this Marian mapping does not use: {left}")
-    return params
-
-
-def _plain(
+def plain_params(
     params: Any, config: TransformerConfig, dequantize: bool = False
 ) -> tuple[Params, TransformerConfig]:
     """Unboxed, unrolled, float32 NumPy parameters (int8 ones dequantized if ``dequantize``)
@@ -450,8 +155,8 @@ def _plain(
     if config.quantization is not None:
         if not dequantize:
             raise ValueError(
-                f"config.quantization={config.quantization!r}: a Marian model has float "
-                "weights; pass dequantize=True to write the int8 weights as float32"
+                f"config.quantization={config.quantization!r}: a Hugging Face model has "
+                "float weights; pass dequantize=True to write the int8 weights as float32"
             )
         params, config = dequantize_params(params), config.replace(quantization=None)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -466,58 +171,28 @@ def _plain(
 
 
 def state_dict_from_params(
-    params: Any, config: TransformerConfig, *, dequantize: bool = False
+    params: Any,
+    config: TransformerConfig,
+    *,
+    model_type: str | None = None,
+    dequantize: bool = False,
 ) -> dict[str, np.ndarray]:
-    """The Marian state dict (Hugging Face names -> float32 NumPy arrays) of our parameters,
-    the inverse of ``params_from_state_dict``: boxed or plain, scanned or unrolled.
+    """The state dict (Hugging Face names -> float32 NumPy arrays) of our parameters, the
+    inverse of the family's ``params_from_state_dict``: boxed or plain, scanned or unrolled.
 
     ``dequantize``: ``config.quantization="int8"`` parameters (``quantize.quantize_params``)
     are written as float32 ``q * scale`` (``quantize.dequantize_params``); without it they are
     refused (ValueError), as are integer parameters under a float config."""
-    params, config = _plain(params, config, dequantize)
-    d = config.d_model
-    state: dict[str, np.ndarray] = {}
-    for stack, prefix, layers in _stack_names(config):
-        for i in range(layers):
-            layer = params[stack][f"layers_{i}"]
-            for hf_module, ours in _layer_map(stack):
-                base = f"{prefix}.layers.{i}.{hf_module}"
-                block = layer
-                for part in ours.split("/"):
-                    block = block[part]
-                if hf_module.endswith("attn"):
-                    for hf_proj, our_proj in _PROJECTIONS:
-                        kernel, bias = block[our_proj]["kernel"], block[our_proj]["bias"]
-                        if our_proj == "out":
-                            state[f"{base}.{hf_proj}.weight"] = kernel.reshape(d, d).T
-                            state[f"{base}.{hf_proj}.bias"] = bias
-                        else:
-                            state[f"{base}.{hf_proj}.weight"] = kernel.reshape(d, d).T
-                            state[f"{base}.{hf_proj}.bias"] = bias.reshape(d)
-                elif hf_module.endswith("layer_norm"):
-                    state[f"{base}.weight"] = block["scale"]
-                    state[f"{base}.bias"] = block["bias"]
-                else:
-                    state[f"{base}.weight"] = block["kernel"].T
-                    state[f"{base}.bias"] = block["bias"]
-    source = params["source_embedding"]["embedding"]
-    if config.share_embeddings and config.tie_output_embedding:
-        state["model.shared.weight"] = source  # the tied copies are not stored
-    else:
-        target = source if config.share_embeddings else params["target_embedding"]["embedding"]
-        if _hf_shared(config):
-            # transformers 5 stores (and never reads) ``model.shared`` when the tables are
-            # untied; the same names as its own save_pretrained, so nothing is reported missing.
-            state["model.shared.weight"] = source
-        state["model.encoder.embed_tokens.weight"] = source
-        state["model.decoder.embed_tokens.weight"] = target
-    if not config.tie_output_embedding:
-        state["lm_head.weight"] = params["decoder"]["logits"]["kernel"].T
-    bias = params["decoder"].get("logits_bias")
-    if bias is None:
-        bias = np.zeros((config.output_vocab_size,), np.float32)
-    state["final_logits_bias"] = bias[None, :]
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()}
+    family = family_for(config, model_type=model_type, dequantize=dequantize)
+    params, config = plain_params(params, config, dequantize)
+    return family.state_dict_from_params(params, config)
+
+
+def params_from_state_dict(
+    state: Mapping[str, np.ndarray], config: TransformerConfig, *, model_type: str = "marian"
+) -> Params:
+    """Our ``params`` from the state dict of a ``model_type`` checkpoint (see its family)."""
+    return family_of({"model_type": model_type}).params_from_state_dict(state, config)
 
 
 # ----------------------------------------------------------------------------- files
@@ -558,55 +233,45 @@ def read_state_dict(root: epath.Path) -> dict[str, np.ndarray]:
     raise FileNotFoundError(f"no weights in {root}: expected one of {list(WEIGHT_FILES)}")
 
 
-def _load_tokenizer(root: epath.Path) -> Any:
-    """The Marian tokenizer in ``root``, or None when its files are absent."""
-    if not all((root / name).is_file() for name in ("source.spm", "target.spm", "vocab.json")):
-        return None
-    from flaxformer_lite.data.marian_tokenizer import MarianTokenizer
-
-    return MarianTokenizer.load(str(root))
-
-
 def load_pretrained(path_or_repo_id: str) -> tuple[TransformerConfig, Params, Any]:
-    """``(config, params, tokenizer)`` of a Hugging Face Marian model.
+    """``(config, params, tokenizer)`` of a Hugging Face model of a supported family.
 
     Args:
       path_or_repo_id: a folder (local or ``gs://``) with ``config.json``, the weights
-        (``model.safetensors`` or ``pytorch_model.bin``) and optionally the tokenizer
-        (``source.spm``, ``target.spm``, ``vocab.json``), or a hub id such as
-        ``"Helsinki-NLP/opus-mt-en-de"`` (downloaded once into the hub cache).
+        (``model.safetensors`` or ``pytorch_model.bin``) and optionally the tokenizer's files,
+        or a hub id such as ``"Helsinki-NLP/opus-mt-en-de"`` (downloaded once into the hub
+        cache).
 
     Returns:
       the ``TransformerConfig``, the parameters (nested dicts of float32 NumPy arrays, the
-      ``params`` collection of ``EncoderDecoder(config)``), and a
-      ``marian_tokenizer.MarianTokenizer`` (None when the tokenizer files are absent).
+      ``params`` collection of ``EncoderDecoder(config)``, or of ``DecoderOnly(config)`` for
+      a family whose module has ``DECODER_ONLY``), and the family's tokenizer (None when its
+      files are absent).
 
     Raises:
       FileNotFoundError: no such folder or repository, no config.json, no weights.
-      ValueError: not a Marian model, or weights that do not match its config (named).
+      ValueError: an unsupported ``model_type`` or config field, or weights that do not match
+        the config (named).
     """
     root = resolve(path_or_repo_id)
     config_path = root / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"no config.json in {root}: is it a Hugging Face model folder?")
     hf = json.loads(config_path.read_text())
-    tokenizer = _load_tokenizer(root)
-    config = config_from_hf(hf, unk_id=tokenizer.unk_id if tokenizer is not None else 1)
-    params = params_from_state_dict(read_state_dict(root), config)
+    family = family_of(hf)
+    tokenizer = family.load_tokenizer(root)
+    config = family.config_from_hf(hf, unk_id=tokenizer.unk_id if tokenizer is not None else None)
+    params = family.params_from_state_dict(read_state_dict(root), config)
     return config, params, tokenizer
 
 
 def _generation_to_save(
-    config: TransformerConfig, generation: Mapping[str, Any] | None
+    family: ModuleType, config: TransformerConfig, generation: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     """generation_config.json's content for ``save_pretrained`` (see its ``generation``)."""
-    ids = {
-        "decoder_start_token_id": config.bos_id,
-        "eos_token_id": config.eos_id,
-        "pad_token_id": config.pad_id,
-    }
+    ids = family.generation_ids(config)
     if generation is None:
-        return {**ids, "forced_eos_token_id": config.eos_id}
+        return family.default_generation(config)
     if not isinstance(generation, Mapping):
         raise ValueError(
             f"generation must be a dict (a generation config, e.g. hf.generation_config(folder))"
@@ -632,21 +297,23 @@ def save_pretrained(
     *,
     generation: Mapping[str, Any] | None = None,
     dequantize: bool = False,
+    model_type: str | None = None,
 ) -> None:
-    """Writes a Hugging Face Marian folder: ``config.json``, ``generation_config.json``,
+    """Writes a Hugging Face model folder: ``config.json``, ``generation_config.json``,
     ``model.safetensors`` (float32) and, when given, the tokenizer's files.
 
-    ``transformers.MarianMTModel.from_pretrained`` and CTranslate2's
+    transformers' ``from_pretrained`` (e.g. ``MarianMTModel``) and CTranslate2's
     ``ct2-transformers-converter`` read the result (the converter needs the tokenizer);
-    ``load_pretrained`` gives back bitwise the same parameters (one shared table with an untied
-    output comes back as two equal tables: Marian unties all three then).
+    ``load_pretrained`` gives back bitwise the same parameters (a Marian model with one shared
+    table and an untied output comes back as two equal tables: Marian unties all three then).
 
     Args:
       directory: the output folder (local or ``gs://``), created when missing.
-      config: a Marian-architecture ``TransformerConfig`` (see ``config_to_hf``).
+      config: a ``TransformerConfig`` a supported family can express (see ``family_for``).
       params: its parameters (boxed or plain, scanned or unrolled, any float dtype).
-      tokenizer: a ``marian_tokenizer.MarianTokenizer`` (its ``save`` writes source.spm,
-        target.spm, vocab.json, tokenizer_config.json), or None.
+      tokenizer: the family's tokenizer (its ``save`` writes its files, e.g. a
+        ``marian_tokenizer.MarianTokenizer``: source.spm, target.spm, vocab.json,
+        tokenizer_config.json), or None.
       generation: the generation config, written to generation_config.json as it is, every
         field kept (e.g. :func:`generation_config` of the folder the model came from: then
         ``MarianMTModel.generate`` decodes the saved folder as it decoded that one); the ids
@@ -655,19 +322,25 @@ def save_pretrained(
       dequantize: write an int8 model (``config.quantization="int8"``, parameters from
         ``quantize.quantize_params``) as the float32 model of its dequantized weights
         (``q * scale``; a tied embedding's int8 copy is dropped, its float table kept):
-        Marian has no int8 weights, so without this flag such a model is refused. No effect
-        on a float model.
+        Hugging Face models have no int8 weights, so without this flag such a model is refused.
+        No effect on a float model.
+      model_type: the family to write (e.g. ``"marian"``); None: the only family that can
+        express ``config``.
 
     Raises:
-      ValueError: ``config`` is not a Marian architecture, or is int8 without ``dequantize``
+      ValueError: no family (or not ``model_type``'s) can express ``config``, or it is int8
+        without ``dequantize``
         (the differing fields are named), or ``generation`` is not a dict or names other
         special ids than ``config``; nothing is written then.
     """
     from safetensors.numpy import save as save_safetensors
 
-    hf = config_to_hf(config, dequantize=dequantize)  # fails before anything is written
-    gen = _generation_to_save(config, generation)
-    state = state_dict_from_params(params, config, dequantize=dequantize)
+    # Everything that can fail does before anything is written.
+    family = family_for(config, model_type=model_type, dequantize=dequantize)
+    hf = family.config_to_hf(config, dequantize=dequantize)
+    gen = _generation_to_save(family, config, generation)
+    plain, plain_config = plain_params(params, config, dequantize)
+    state = family.state_dict_from_params(plain, plain_config)
     root = paths.resolve(directory)
     paths.makedirs(root)
     paths.write_atomic(root / "config.json", json.dumps(hf, indent=2, sort_keys=True) + "\n")
@@ -711,8 +384,8 @@ def export_workdir(
     if not config_path.is_file():
         raise FileNotFoundError(f"no model_config.json in {workdir}: is it a train.py workdir?")
     config = TransformerConfig.from_json(config_path.read_text())
-    # A non-Marian model fails here, before the checkpoint is read.
-    config_to_hf(config, dequantize=dequantize)
+    # A model no family can write fails here, before the checkpoint is read.
+    family = family_for(config, dequantize=dequantize)
     if config.quantization is not None and average != 1:
         raise ValueError(
             f"average={average} with quantization={config.quantization!r}: int8 values with "
@@ -726,8 +399,8 @@ def export_workdir(
     generation_path = root / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
     save_pretrained(
-        directory, config, params, _load_tokenizer(root),
-        generation=generation, dequantize=dequantize,
+        directory, config, params, family.load_tokenizer(root),
+        generation=generation, dequantize=dequantize, model_type=family.MODEL_TYPES[0],
     )  # fmt: skip
     return config
 
@@ -766,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"wrote {out}: Marian model, vocabulary {config.vocab_size}, "
+        f"wrote {out}: {family_for(config, dequantize=args.dequantize).NAME} model, "
+        f"vocabulary {config.vocab_size}, "
         f"{config.num_encoder_layers}+{config.num_decoder_layers} layers"
     )
     return 0
