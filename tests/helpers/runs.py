@@ -1,6 +1,7 @@
-"""train.py runs in subprocesses for tests, and what they leave behind: the command lines,
-waiting for a checkpoint, the saved state, its files' digests, the metrics rows and the last
-smoothed loss; a free localhost port for multi-process runs and local servers."""
+"""train.py runs in subprocesses for tests (a one-device run also in this process:
+``train_here``), and what they leave behind: the command lines, waiting for a checkpoint, the
+saved state, its files' digests, the metrics rows and the last smoothed loss; a free
+localhost port for multi-process runs and local servers."""
 
 from __future__ import annotations
 
