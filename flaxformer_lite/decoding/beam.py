@@ -3,11 +3,13 @@ new_cache)``, as every search of :mod:`flaxformer_lite.decoding.search` (whose m
 gives the contract: shapes, PAD after EOS, ``row_max_len``, ``forced_eos``, ``banned_ids``).
 
 :func:`beam_search` is a loop over pure functions of one step, each testable on fixed arrays:
-candidate selection (:func:`select_candidates` with :func:`constrained_log_probs`,
-:func:`candidate_sequences`), the finishing rule (:func:`ended_candidates`,
-:func:`finished_candidates`, and when the search may stop: :func:`gnmt_can_improve`,
-:func:`hf_still_open`) and the state update (:func:`select_live`, :func:`flat_parents`,
-:func:`merge_finished`), between :func:`initial_beam_state` and :func:`final_hypotheses`.
+candidate selection (:func:`select_candidates` with :func:`constrained_log_probs`, or
+:func:`select_candidates_from_logits`, the same from the raw logits without materialising the
+log-probs, which the loop uses; :func:`candidate_sequences`), the finishing rule
+(:func:`ended_candidates`, :func:`finished_candidates`, and when the search may stop:
+:func:`gnmt_can_improve`, :func:`hf_still_open`) and the state update (:func:`select_live`,
+:func:`flat_parents`, :func:`merge_finished`), between :func:`initial_beam_state` and
+:func:`final_hypotheses`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from flaxformer_lite.decoding.search import (
     check_search_options,
     length_penalty,
 )
+from flaxformer_lite.ops.beam_top_k import log_softmax_top_k
 
 __all__ = ["beam_search"]
 
@@ -166,6 +169,47 @@ def select_candidates(
     )
     cand = (live_log_probs[:, :, None] + logp).reshape(batch, beam * vocab)
     log_probs, flat_index = lax.top_k(cand, min(2 * beam, beam * vocab))  # sorted
+    return log_probs, flat_index // vocab, (flat_index % vocab).astype(jnp.int32)
+
+
+def select_candidates_from_logits(
+    live_log_probs: jax.Array,
+    logits: jax.Array,
+    length: jax.Array | int,
+    limits: jax.Array,
+    *,
+    eos_id: int,
+    forced_eos: bool = False,
+    banned_ids: tuple[int, ...] = (),
+    renormalize: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`select_candidates` of ``log_softmax(logits)``, bitwise, from the raw logits.
+
+    Without ``forced_eos`` and ``renormalize`` and for float32 logits, the log-probs are never
+    materialised (:func:`flaxformer_lite.ops.beam_top_k.log_softmax_top_k`: per-row top-k of
+    the logits, scores for those alone, an exact fallback on near-ties); otherwise this is
+    ``select_candidates(live_log_probs, log_softmax(logits).astype(float32), ...)``.
+
+    Args:
+      live_log_probs: float32 ``[batch, beam]``.
+      logits: float ``[batch, beam, vocab]`` the model's next-token logits.
+      length, limits, eos_id, forced_eos, banned_ids, renormalize: as in
+        :func:`select_candidates`.
+
+    Returns:
+      ``(log_probs, parents, tokens)`` as :func:`select_candidates`.
+    """
+    options = dict(
+        eos_id=eos_id, forced_eos=forced_eos, banned_ids=banned_ids, renormalize=renormalize
+    )
+    if forced_eos or renormalize or logits.dtype != jnp.float32:
+        step_log_probs = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
+        return select_candidates(live_log_probs, step_log_probs, length, limits, **options)
+    banned_ids = check_search_options(forced_eos=forced_eos, banned_ids=banned_ids, eos_id=eos_id)
+    _, beam, vocab = logits.shape
+    log_probs, flat_index = log_softmax_top_k(
+        logits, live_log_probs, min(2 * beam, beam * vocab), _banned_mask(banned_ids, vocab)
+    )
     return log_probs, flat_index // vocab, (flat_index % vocab).astype(jnp.int32)
 
 
@@ -582,12 +626,11 @@ def beam_search(
         length = step + 1  # tokens generated once this step's token is appended
         logits, new_cache = tokens_to_logits(state["live_tok"].reshape(-1, 1), state["cache"])
         logits = _checked_logits(logits, batch_size * k)
-        logp = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
 
         # Candidate selection: the best 2k one-token extensions of the live beams.
-        cand_logp, cand_parent, cand_tok = select_candidates(
+        cand_logp, cand_parent, cand_tok = select_candidates_from_logits(
             state["live_logp"],
-            logp.reshape(batch_size, k, logits.shape[-1]),
+            logits.reshape(batch_size, k, logits.shape[-1]),
             length,
             limits,
             eos_id=eos_id,

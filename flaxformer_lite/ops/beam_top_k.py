@@ -1,0 +1,125 @@
+"""Beam search's candidate selection from raw logits, exact, without the log-probabilities.
+
+Beam search scores every one-token extension of every live beam, ``offset[b, j] +
+log_softmax(logits[b, j])[v]``, and keeps the best ``k`` of the ``beam * vocab`` per batch
+element. Written plainly (:func:`reference_top_k`) that materialises the `[rows, vocab]`
+log-probabilities and then the `[batch, beam * vocab]` candidate scores (two full writes and
+reads of a 30 MB array at opus-mt size, batch 32, beam 4) before one top-k over the long axis.
+
+:func:`log_softmax_top_k` returns the same values and indices, bitwise, while reading the
+logits three times and writing nothing of their size:
+
+1. per row, the max and ``log(sum(exp(x - max)))``, the very expressions of
+   ``jax.nn.log_softmax``;
+2. per row, the top ``k + 1`` logits (``lax.top_k``); the log-softmax is monotone in the logit
+   and so is adding the row's offset, so a row's best candidates are among its best logits;
+3. only those ``beam * (k + 1)`` candidates get their score, computed with the reference's
+   operations in the reference's order (so the same float32 rounding), and a last top-k over
+   them (in flat-index order, so ties break as in the reference) picks the ``k``.
+
+Rounding makes the map from logit to score monotone but not strictly: two different logits
+can round to one score, and then the reference breaks the tie by index while step 2 ordered
+them by logit. The ``(k + 1)``-th logit of each row bounds every score left out of that row;
+when the ``k``-th selected score is strictly above every row's bound, nothing left out can
+reach or tie it and the result is exact. Otherwise (a near-tie, or fewer than ``k`` finite
+candidates) the function falls back to :func:`reference_top_k` under a ``lax.cond``, so the
+result is always the reference's.
+
+Shapes: ``logits`` float32 `[batch, beam, vocab]`, ``offsets`` float32 `[batch, beam]` (the
+live beams' summed log-probs, ``-inf`` for a slot without a hypothesis).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+
+def _check(logits: Array, offsets: Array, k: int, banned: Array | None) -> None:
+    if logits.ndim != 3:
+        raise ValueError(f"logits must be [batch, beam, vocab]; got shape {logits.shape}")
+    if offsets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"offsets must be [batch, beam] = {logits.shape[:2]}; got shape {offsets.shape}"
+        )
+    if not isinstance(k, int) or not 1 <= k <= logits.shape[1] * logits.shape[2]:
+        raise ValueError(f"k must be an int in [1, beam * vocab]; got {k!r}")
+    if banned is not None and banned.shape != logits.shape[-1:]:
+        raise ValueError(f"banned must be bool [vocab={logits.shape[-1]}]; got {banned.shape}")
+
+
+def _masked(log_probs: Array, banned: Array | None) -> Array:
+    return log_probs if banned is None else jnp.where(banned, -jnp.inf, log_probs)
+
+
+def reference_top_k(
+    logits: Array, offsets: Array, k: int, banned: Array | None = None
+) -> tuple[Array, Array]:
+    """The plain selection: ``lax.top_k`` of ``offsets + log_softmax(logits)`` (``banned``
+    ids, bool `[vocab]`, set to ``-inf`` after the log-softmax) over the flat ``beam * vocab``.
+
+    Returns:
+      ``(values, flat_index)``: float32 `[batch, k]`, best first, and int32 `[batch, k]`,
+      ``beam_index * vocab + token``.
+    """
+    _check(logits, offsets, k, banned)
+    batch, beam, vocab = logits.shape
+    log_probs = _masked(jax.nn.log_softmax(logits, axis=-1), banned)
+    candidates = (offsets[:, :, None] + log_probs).reshape(batch, beam * vocab)
+    values, flat_index = lax.top_k(candidates, k)
+    return values, flat_index
+
+
+def log_softmax_top_k(
+    logits: Array, offsets: Array, k: int, banned: Array | None = None
+) -> tuple[Array, Array]:
+    """:func:`reference_top_k`'s result, bitwise, without materialising the log-probs (see
+    the module docstring).
+
+    Args:
+      logits: float32 `[batch, beam, vocab]`.
+      offsets: float32 `[batch, beam]` added to each beam's log-probs.
+      k: how many candidates per batch element, in ``[1, beam * vocab]``.
+      banned: optional bool `[vocab]`, ids whose log-prob is ``-inf``.
+
+    Returns:
+      ``(values, flat_index)``: float32 `[batch, k]`, best first, and int32 `[batch, k]`.
+    """
+    _check(logits, offsets, k, banned)
+    batch, beam, vocab = logits.shape
+    per_row = k + 1  # one more than needed: its score bounds every score left out
+    if per_row >= vocab:  # a row is not longer than its selection: nothing to save
+        return reference_top_k(logits, offsets, k, banned)
+    # jax.nn.log_softmax's expressions: log_softmax(x) = (x - max) - log(sum(exp(x - max))).
+    # The max comes from its own reduction: slicing it off lax.top_k's values would make XLA's
+    # CPU backend lower the top-k as a full sort of the row.
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+    best_logits, best_tokens = lax.top_k(_masked(logits, banned), per_row)  # [b, beam, k+1]
+    # Scores as the reference rounds them: offset + ((x - max) - log_sum).
+    scores = offsets[:, :, None] + _masked(
+        (best_logits - row_max) - log_sum, _banned_at(banned, best_tokens)
+    )
+    # Flat-index order within each row (lax.top_k returned logit order), so that the last
+    # top-k breaks ties by flat index as the reference does.
+    best_tokens, scores = lax.sort((best_tokens, scores), dimension=-1, num_keys=1)
+    flat_index = jnp.arange(beam, dtype=jnp.int32)[None, :, None] * vocab + best_tokens
+    values, position = lax.top_k(scores.reshape(batch, beam * per_row), k)
+    chosen = jnp.take_along_axis(flat_index.reshape(batch, beam * per_row), position, axis=1)
+    # Every left-out score of a row is <= that row's lowest selected score (the score of its
+    # (k+1)-th logit); exact when the k-th value beats every such bound strictly.
+    bound = jnp.max(jnp.min(scores, axis=-1), axis=-1)  # [batch]
+    exact = jnp.all(values[:, -1] > bound)
+    return lax.cond(
+        exact,
+        lambda: (values, chosen),
+        lambda: reference_top_k(logits, offsets, k, banned),
+    )
+
+
+def _banned_at(banned: Array | None, tokens: Array) -> Array | None:
+    """bool like ``tokens``: whether each token is banned (None without banned ids)."""
+    return None if banned is None else banned[tokens]
