@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from flaxformer_lite.ops.beam_top_k import log_softmax_top_k
+from flaxformer_lite.ops.beam_top_k import log_softmax_top_k, row_top_k
 
 fused = jax.jit(log_softmax_top_k, static_argnums=2)
 
@@ -98,6 +98,28 @@ def test_a_vocab_not_longer_than_the_selection():
     logits = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, 4)), jnp.float32)
     offsets = jnp.asarray([[0.0, -1.0, -2.0]] * 2, jnp.float32)
     assert_same(fused(logits, offsets, 6), plain_top_k(logits, offsets, 6))
+
+
+@pytest.mark.parametrize(
+    "n,block,k",
+    [
+        (96, 8, 5),  # 8 divides 96: blocks by reshape
+        (101, 8, 5),  # prime: no divisor near 8, a short last block (5 elements)
+        (90, 8, 3),  # 9 divides 90: blocks of 9
+        (40, 8, 5),  # 5 blocks: not more than k, the plain top-k
+    ],
+)
+def test_row_top_k_equals_lax_top_k_with_ties_and_infinities(n, block, k):
+    rng = np.random.default_rng(n)
+    x = rng.integers(0, 4, (3, 2, n)).astype(np.float32)  # many equal values, across blocks
+    x[0, 0] = rng.standard_normal(n)
+    x[1, 1, : n // 2] = -np.inf
+    x[2, 0, -3:] = 9.0  # the best in the (short) last block
+    got = jax.jit(row_top_k, static_argnums=(1, 2))(jnp.asarray(x), k, block)
+    # Independently: a stable sort of the negated values (ties to the lower index).
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    np.testing.assert_array_equal(np.asarray(got[1]), order)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.take_along_axis(x, order, -1))
 
 
 @pytest.mark.parametrize(
