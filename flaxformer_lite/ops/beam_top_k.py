@@ -99,12 +99,19 @@ def log_softmax_top_k(
     per_row = k + 1  # one more than needed: its score bounds every score left out
     if per_row >= vocab:  # a row is not longer than its selection: nothing to save
         return reference_top_k(logits, offsets, k, banned)
-    # jax.nn.log_softmax's expressions: log_softmax(x) = (x - max) - log(sum(exp(x - max))).
-    # The max comes from its own reduction: slicing it off lax.top_k's values would make XLA's
-    # CPU backend lower the top-k as a full sort of the row.
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+    # One materialised copy of the logits for every reader below: without the barrier XLA
+    # recomputes the producer (the model's bias add) once per reader, a full pass each.
+    logits = lax.optimization_barrier(logits)
     best_logits, best_tokens = row_top_k(_masked(logits, banned), per_row)  # [b, beam, k+1]
+    # jax.nn.log_softmax's expressions: log_softmax(x) = (x - max) - log(sum(exp(x - max))).
+    # Without banned ids the row's max is the best logit (a reduction of the selected values,
+    # no pass over the row; slicing it off lax.top_k's values instead would make XLA's CPU
+    # backend lower that top-k as a full sort).
+    if banned is None:
+        row_max = jnp.max(best_logits, axis=-1, keepdims=True)
+    else:
+        row_max = jnp.max(logits, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
     # Scores as the reference rounds them: offset + ((x - max) - log_sum).
     scores = offsets[:, :, None] + _masked(
         (best_logits - row_max) - log_sum, _banned_at(banned, best_tokens)
