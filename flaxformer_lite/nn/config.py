@@ -131,6 +131,11 @@ class TransformerConfig:
       quantization: None (float) or "int8": inference with int8 weights and per-row int8
         activations (``quantize``: the parameters must come from ``quantize.quantize_params``;
         encoder-decoder and decoder-only models; mixture-of-experts blocks stay float).
+      scale_attention_logits: multiply the query-key dot products by 1/sqrt(head_dim) (the
+        paper); False leaves them unscaled, as T5 does (its query kernels absorb the scaling).
+      scale_decoder_output: multiply the decoder's final output by d_model**-0.5 before the
+        output projection (T5 v1.0, whose tied embedding table makes the logits; Hugging Face's
+        ``scale_decoder_outputs``). False: the paper's and every other model's logits.
     """
 
     vocab_size: int = 37000
@@ -179,6 +184,9 @@ class TransformerConfig:
     relative_max_distance: int = 128
     head_dim: int | None = None
     quantization: str | None = None
+    # T5 (issue 25, interop/t5.py).
+    scale_attention_logits: bool = True
+    scale_decoder_output: bool = False
 
     def __post_init__(self) -> None:
         # Grouped by concern, each group checking its fields' types before their values; a
@@ -232,6 +240,7 @@ class TransformerConfig:
         bools = (
             "share_embeddings tie_output_embedding logits_bias scale_embeddings use_bias remat"
             " scan_layers fused_qkv"
+            " scale_attention_logits scale_decoder_output"
         )
         for name in bools.split():
             value = getattr(self, name)

@@ -101,6 +101,7 @@ def _attention(
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
         quantization=config.quantization,
+        logits_scale=None if config.scale_attention_logits else 1.0,
         name=name,
     )
 

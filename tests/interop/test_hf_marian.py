@@ -351,6 +351,8 @@ REFUSED = {
         for layers in ("both", "encoder", "decoder")
     ],
     "quantization": [{"quantization": "int8"}],
+    "scale_attention_logits": [{"scale_attention_logits": False}],
+    "scale_decoder_output": [{"scale_decoder_output": True}],
 }
 IRRELEVANT = {
     "dtype": {"dtype": "bfloat16"},

@@ -66,6 +66,8 @@ def test_frozen():
         (dict(target_vocab_size=10, share_embeddings=True), "share_embeddings"),
         (dict(pad_id=40000), "pad_id"),
         (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"),
+        (dict(scale_attention_logits=0), "scale_attention_logits must be a bool"),
+        (dict(scale_decoder_output="yes"), "scale_decoder_output must be a bool"),
     ],
 )
 def test_invalid_config_names_the_field(kwargs, field):
