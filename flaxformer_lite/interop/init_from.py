@@ -65,8 +65,9 @@ def is_workdir(source: str) -> bool:
 
 
 def pretrained_config(source: str) -> TransformerConfig:
-    """The ``TransformerConfig`` of a train.py workdir or a Hugging Face Marian folder / hub
-    id, without reading its weights."""
+    """The ``TransformerConfig`` of a train.py workdir or a Hugging Face folder / hub id of a
+    supported family (``hf.load_config``: config.json, and the weights only where the family
+    leaves a choice to them, e.g. T5's untied ``lm_head``)."""
     if is_workdir(source):
         root = paths.resolve(source)
         return TransformerConfig.from_json((root / "model_config.json").read_text())
@@ -79,7 +80,7 @@ def pretrained_config(source: str) -> TransformerConfig:
             f"config.init_from={source!r}: neither a train.py workdir (model_config.json) nor "
             "a Hugging Face model folder (config.json)"
         )
-    return hf.config_from_hf(json.loads(config_path.read_text()))
+    return hf.load_config(source)
 
 
 def generation_config(source: str) -> dict[str, Any] | None:
