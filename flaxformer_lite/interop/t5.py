@@ -433,12 +433,8 @@ def default_generation(config: TransformerConfig) -> dict[str, Any]:
 
 
 def load_tokenizer(root: epath.Path) -> Any:
-    """The T5 tokenizer in ``root`` through ``data.hf_tokenizers`` (SentencePiece); None
-    while that module is absent (it lands with issue 25's tokenizers)."""
-    import importlib
-    import importlib.util
+    """The T5 tokenizer in ``root`` (``tokenizer.json`` or ``spiece.model``, read by
+    ``data.hf_tokenizers``), or None when the folder has no tokenizer files."""
+    from flaxformer_lite.data.hf_tokenizers import load_hf_tokenizer
 
-    if importlib.util.find_spec("flaxformer_lite.data.hf_tokenizers") is None:
-        return None
-    hf_tokenizers = importlib.import_module("flaxformer_lite.data.hf_tokenizers")
-    return hf_tokenizers.load_hf_tokenizer(root, "t5")
+    return load_hf_tokenizer(str(root), "t5")

@@ -3,11 +3,13 @@
 with ours token for token on at least 99% of the tokens, for T5 v1.0 and v1.1.
 
 The tiny random models (tests/helpers/hf_t5.py) get a T5 tokenizer built offline from a
-SentencePiece model trained here (the converter reads it for the vocabulary; the model's last
-ids are ``<extra_id_i>``, as in every T5 vocabulary). CTranslate2 4.x decides T5's output
-scaling from ``config.tie_word_embeddings``, which transformers 5 sets to True for every T5:
-a v1.1 folder converts as ``T5_CONVERTER`` does it (the flag set from ``scale_decoder_outputs``
-first; docs/hf_families.md), else CTranslate2 would scale v1.1's logits as v1.0's.
+SentencePiece model trained here, which ``load_pretrained`` reads (data.hf_tokenizers: the
+same ids as transformers') and ``save_pretrained`` writes back for the converter (it reads the
+vocabulary there; the model's last ids are ``<extra_id_i>``, as in every T5 vocabulary).
+CTranslate2 4.x decides T5's output scaling from ``config.tie_word_embeddings``, which
+transformers 5 sets to True for every T5: a v1.1 folder converts through ``T5Converter`` (the
+flag set from ``scale_decoder_outputs`` first; docs/hf_families.md), else CTranslate2 would
+scale v1.1's logits as v1.0's.
 """
 
 from __future__ import annotations
@@ -74,9 +76,12 @@ def converted(request, tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"ct2_{name}")
     model = random_t5(name, seed=2, vocab_size=len(tokenizer) + EXTRA_IDS)
     model.save_pretrained(root / "hf")
-    config, params, _ = hf.load_pretrained(str(root / "hf"))
-    hf.save_pretrained(str(root / "ours"), config, params)
-    tokenizer.save_pretrained(str(root / "ours"))
+    tokenizer.save_pretrained(str(root / "hf"))
+    config, params, ours = hf.load_pretrained(str(root / "hf"))
+    texts = [" ".join(WORDS[i :: 3]) for i in range(3)] + ["the cat sees a tree"]
+    assert ours.encode(texts) == [tokenizer(t).input_ids for t in texts]
+    assert (config.unk_id, ours.eos_id, ours.pad_id) == (2, EOS, PAD)
+    hf.save_pretrained(str(root / "ours"), config, params, ours)  # the converter reads it
     T5Converter(str(root / "ours")).convert(str(root / "ct2"), force=True)
     vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     vocab += [f"<extra_id_{i}>" for i in range(EXTRA_IDS)]
