@@ -245,3 +245,20 @@ def test_what_t5_cannot_express_is_refused_before_writing(saved, tmp_path):
             hf.save_pretrained(str(tmp_path / "out"), config.replace(**changes), params)
     assert not (tmp_path / "out").exists()
     assert hf.family_for(config) is t5  # a T5 config is T5's alone
+
+
+@pytest.mark.parametrize("buckets,max_distance", [(32, 128), (8, 20), (16, 64)])
+def test_relative_buckets_equal_transformers(buckets, max_distance):
+    """``ops.positions.relative_position_bucket`` gives T5Attention's buckets, both
+    directions, for every relative position in [-300, 300] (past max_distance too)."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from flaxformer_lite.ops.positions import relative_position_bucket
+
+    relative = np.arange(-300, 301)
+    for bidirectional in (True, False):
+        want = T5Attention._relative_position_bucket(
+            torch.from_numpy(relative), bidirectional, buckets, max_distance
+        ).numpy()
+        got = np.asarray(relative_position_bucket(relative, bidirectional, buckets, max_distance))
+        np.testing.assert_array_equal(got, want)
