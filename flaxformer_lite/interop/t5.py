@@ -108,7 +108,8 @@ def _single_id(hf: Mapping[str, Any], key: str, default: int) -> int:
     if isinstance(value, list):
         if len(value) != 1:
             raise ValueError(
-                f"config.json has {key}={value}: T5 models here have one {key.split('_')[0]} id"
+                f"config.json has {key}={value}: a T5 model here takes one id there (a list of "
+                "one, or an integer)"
             )
         value = value[0]
     return int(value)
@@ -127,11 +128,13 @@ def refusals(hf: Mapping[str, Any]) -> list[str]:
     buckets = hf.get("relative_attention_num_buckets", 32)
     if not isinstance(buckets, int) or buckets < 4 or buckets % 2:
         found.append(f"relative_attention_num_buckets={buckets!r} (valid: an even number >= 4)")
-    elif hf.get("relative_attention_max_distance", 128) <= buckets // 2:
-        found.append(
-            f"relative_attention_max_distance={hf.get('relative_attention_max_distance')!r} "
-            f"(valid: more than relative_attention_num_buckets // 2 = {buckets // 2})"
-        )
+    else:
+        distance = hf.get("relative_attention_max_distance", 128)
+        if not isinstance(distance, int) or distance <= buckets // 2:
+            found.append(
+                f"relative_attention_max_distance={distance!r} (valid: an integer more than "
+                f"relative_attention_num_buckets // 2 = {buckets // 2})"
+            )
     return found
 
 
