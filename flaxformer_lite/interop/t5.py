@@ -220,12 +220,12 @@ def config_from_state(
 #   tie_output_embedding, scale_decoder_output, pad_id, bos_id, eos_id;
 # - refused where T5 cannot express the value (``problems``): target_vocab_size,
 #   num_kv_heads, norm_position, norm_type, position, scale_embeddings, share_embeddings,
-#   logits_bias, use_bias, fused_qkv, num_experts, attention_window, scale_attention_logits,
-#   quantization (unless ``dequantize``);
+#   logits_bias, use_bias, qkv_bias, fused_qkv, num_experts, attention_window,
+#   scale_attention_logits, quantization (unless ``dequantize``);
 # - irrelevant: attention_dropout_rate (T5 has one rate, dropout_rate's, for both; training
 #   only), dtype, param_dtype, attention_implementation, remat, scan_layers,
 #   num_classes, pooling, unk_id, sinusoid_layout (no sinusoids), the MoE sizes and weights,
-#   attention_window_layers.
+#   attention_window_layers, the Llama family's rope_* (rotary only, which is refused).
 def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str]:
     """What keeps ``config`` from being written as a T5 model (empty when nothing)."""
     wanted = {
@@ -241,6 +241,7 @@ def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str
         "attention_window": None,
         "scale_attention_logits": False,
         "num_kv_heads": None,
+        "qkv_bias": False,
     }
     found = [
         f"{name}={getattr(config, name)!r} (T5: {value!r})"

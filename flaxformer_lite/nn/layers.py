@@ -14,9 +14,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from flaxformer_lite.core.logical_params import logical_init
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.config import TransformerConfig
-from flaxformer_lite.nn.dense import Int8Dense, logical_init
+from flaxformer_lite.nn.dense import Int8Dense
 from flaxformer_lite.nn.embed import Embed, tied_logits
 from flaxformer_lite.nn.mlp import MlpBlock
 from flaxformer_lite.nn.projections import (
@@ -101,6 +102,9 @@ def _attention(
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
         quantization=config.quantization,
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+        qkv_bias=config.use_bias or config.qkv_bias,
         logits_scale=None if config.scale_attention_logits else 1.0,
         name=name,
     )
@@ -210,11 +214,14 @@ class DecoderLayer(nn.Module):
         bias: Array | None = None,
         beam_ancestors: Array | None = None,
         valid: Array | None = None,
+        left_padding: Array | None = None,
     ) -> Array:
         """bias: added to the self-attention logits, `[batch|1, heads, len, kv_len]` (the
         stack's relative position bias; with ``decode=True`` kv_len is the cache length).
         beam_ancestors: int `[batch * beam_size, slots]`, see ``beam_cache``. valid: bool
-        `[batch, len]`, the real positions (padding is not routed by a mixture of experts)."""
+        `[batch, len]`, the real positions (padding is not routed by a mixture of experts).
+        left_padding: int `[batch]` (``decode=True``): the left-padded prompt slots of each row
+        (``MultiHeadAttention``)."""
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
@@ -232,6 +239,7 @@ class DecoderLayer(nn.Module):
                 check_cache=self.check_cache,
                 beam_size=self.beam_size,
                 beam_ancestors=beam_ancestors,
+                left_padding=left_padding,
             )
 
         x = residual(x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw)

@@ -1,9 +1,11 @@
-"""train.py runs in subprocesses for tests, and what they leave behind: the command lines,
-waiting for a checkpoint, the saved state and the last smoothed loss; a free localhost port
-for multi-process runs and local servers."""
+"""train.py runs in subprocesses for tests (a one-device run also in this process:
+``train_here``), and what they leave behind: the command lines, waiting for a checkpoint, the
+saved state, its files' digests, the metrics rows and the last smoothed loss; a free
+localhost port for multi-process runs and local servers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 
 from flaxformer_lite.core.checkpoints import Checkpointer, finished_steps
+from flaxformer_lite.training.metrics import read_metrics
 
 from helpers.tiny_configs import TINY_OVERRIDES
 
@@ -103,17 +106,20 @@ def wait_for_checkpoint(workdir: Path | str, proc: subprocess.Popen, timeout: fl
     raise AssertionError("no checkpoint appeared in time")
 
 
-def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait=True):
+def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait=True, prefix=()):
     """train.py with SHARDING_FLAGS (and ``extra``) on ``devices`` simulated CPU devices;
     ``wait=False``: the running Popen (stdout and stderr together), else the finished run,
-    asserted successful."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    asserted successful. ``prefix``: a command that runs the command line after it (e.g.
+    ``unshare``)."""
+    # faulthandler: a SIGABRT (a test's timeout) prints where every thread of the run stands
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1"}
     if devices > 1:
         env["XLA_FLAGS"] = (
             f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
         )
     env.update(env_extra or {})
     cmd = [
+        *prefix,
         sys.executable,
         str(ROOT / "train.py"),
         "--config",
@@ -132,6 +138,29 @@ def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait
     return done
 
 
+def train_here(workdir: Path, *extra: str) -> dict:
+    """What ``run_train(workdir, *extra)`` runs on one device, in this process: the same
+    command-line flags through the same parser (absl, ml_collections' config file flag,
+    preflight.parse_flags) on fresh flag values, then ``train.train_and_evaluate``; returns
+    its final metrics. For a one-device reference run, where a subprocess would only add the
+    start of a Python with JAX (the runs on several devices or processes stay subprocesses)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    import train
+    from flaxformer_lite.training import preflight
+
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "Python config file.", flag_values=values)
+    argv = ["train.py", "--config", str(ROOT / "configs/default.py"), *SHARDING_FLAGS, *extra]
+    saved_argv, sys.argv = sys.argv, argv  # config_flags finds the overrides in sys.argv
+    try:
+        preflight.parse_flags(argv, values)
+    finally:
+        sys.argv = saved_argv
+    return train.train_and_evaluate(values.config, str(workdir))
+
+
 def saved_state(workdir: Path | str, step: int | None = None):
     """(train state, data state) of ``workdir``'s checkpoint at ``step`` (None: the latest);
     ``workdir`` local or gs://."""
@@ -145,6 +174,23 @@ def checkpoint_params(workdir: Path) -> dict:
     """The latest checkpoint's parameters as saved (nested dicts of NumPy arrays)."""
     state, _ = saved_state(workdir)
     return jax.tree_util.tree_map(np.asarray, state["params"])
+
+
+def digests(step_dir: Path) -> dict[str, str]:
+    """sha256 of every file under a checkpoint step's directory, by relative path."""
+    return {
+        str(p.relative_to(step_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(step_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def assert_one_row_per_step_and_kind(workdir: Path) -> None:
+    """``workdir``'s metrics.jsonl has train and eval rows, at most one per step of each."""
+    rows = read_metrics(str(workdir))
+    for kind in ("train/smoothed_kl", "eval/smoothed_kl"):
+        steps = [m["step"] for m in rows if kind in m]
+        assert steps and len(steps) == len(set(steps)), (kind, steps)
 
 
 def final_loss(workdir: Path) -> float:

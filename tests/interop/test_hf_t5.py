@@ -239,12 +239,17 @@ def test_what_t5_cannot_express_is_refused_before_writing(saved, tmp_path):
         {"num_kv_heads": 2},
         {"position": "rotary"},
         {"logits_bias": True},
+        {"qkv_bias": True},  # the Llama family's (Qwen2): T5 has no biases
     ):
         field = next(iter(changes))
         with pytest.raises(ValueError, match=f"{field}="):
             hf.save_pretrained(str(tmp_path / "out"), config.replace(**changes), params)
     assert not (tmp_path / "out").exists()
     assert hf.family_for(config) is t5  # a T5 config is T5's alone
+    # T5's options keep a config from the other families (none drops them silently).
+    for other in ("marian", "llama"):
+        with pytest.raises(ValueError, match="scale_attention_logits=False"):
+            hf.config_to_hf(config, model_type=other)
 
 
 @pytest.mark.parametrize("buckets,max_distance", [(32, 128), (8, 20), (16, 64)])
