@@ -44,6 +44,7 @@ ARCHITECTURE_FIELDS = (
     " share_embeddings tie_output_embedding logits_bias use_bias fused_qkv num_classes pooling"
     " num_experts num_experts_per_token moe_every attention_window attention_window_layers"
     " relative_num_buckets relative_max_distance head_dim quantization"
+    " learned_position_offset embedding_norm"  # BART / mBART
 ).split()
 # Fields of training, storage or execution: the same parameters compute the same function
 # (up to the precision of dtype / param_dtype) whatever their values, and evaluation and

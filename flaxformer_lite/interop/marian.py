@@ -152,7 +152,7 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 # - refused where Marian cannot express the value (``problems``): num_kv_heads,
 #   head_dim, activation (gated), norm_position, norm_type, layer_norm_epsilon, position,
 #   sinusoid_layout, use_bias, fused_qkv, num_experts (with moe_every), attention_window,
-#   quantization (unless ``dequantize``);
+#   quantization (unless ``dequantize``), learned_position_offset, embedding_norm;
 # - irrelevant to the saved model (precision, memory, layout, training or the classifier
 #   head, or inert because a refused field is off): dtype, param_dtype,
 #   attention_implementation, remat, scan_layers, num_classes, pooling, unk_id (the
@@ -173,6 +173,8 @@ def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str
         "fused_qkv": False,
         "layer_norm_epsilon": MARIAN_LAYER_NORM_EPSILON,
         "attention_window": None,
+        "learned_position_offset": 0,
+        "embedding_norm": False,
     }
     found = [
         f"{name}={getattr(config, name)!r} (Marian: {value!r})"

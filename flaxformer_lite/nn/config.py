@@ -131,6 +131,12 @@ class TransformerConfig:
       quantization: None (float) or "int8": inference with int8 weights and per-row int8
         activations (``quantize``: the parameters must come from ``quantize.quantize_params``;
         encoder-decoder and decoder-only models; mixture-of-experts blocks stay float).
+      learned_position_offset: ``position="learned"`` only: rows the learned table keeps
+        before position 0 (Hugging Face BART/mBART: 2). The table is `[max_len + offset,
+        d_model]` and position p reads row p + offset; the first rows are parameters no
+        position reads (kept so that a checkpoint round-trips). 0: `[max_len, d_model]`.
+      embedding_norm: a norm (``norm_type``) on the embedding sum (tokens + positions) before
+        the first layer and its dropout, in every stack (BART's ``layernorm_embedding``).
     """
 
     vocab_size: int = 37000
@@ -179,6 +185,9 @@ class TransformerConfig:
     relative_max_distance: int = 128
     head_dim: int | None = None
     quantization: str | None = None
+    # BART / mBART (interop/bart.py).
+    learned_position_offset: int = 0
+    embedding_norm: bool = False
 
     def __post_init__(self) -> None:
         # Grouped by concern, each group checking its fields' types before their values; a
@@ -231,7 +240,7 @@ class TransformerConfig:
         a number > 0."""
         bools = (
             "share_embeddings tie_output_embedding logits_bias scale_embeddings use_bias remat"
-            " scan_layers fused_qkv"
+            " scan_layers fused_qkv embedding_norm"
         )
         for name in bools.split():
             value = getattr(self, name)
@@ -356,6 +365,17 @@ class TransformerConfig:
                 "TransformerConfig.head_dim must be even for rotary positions (channel pairs "
                 f"are rotated); got head_dim={self.head_dim}, effective width "
                 f"{self.effective_head_dim} (d_model / num_heads when head_dim is None)"
+            )
+        offset = self.learned_position_offset
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(
+                "TransformerConfig.learned_position_offset must be an integer >= 0 (rows of the "
+                f"learned position table before position 0; BART: 2); got {offset!r}"
+            )
+        if offset and self.position != "learned":
+            raise ValueError(
+                f"TransformerConfig.learned_position_offset={offset} applies to "
+                f"position='learned' only; got position={self.position!r} (set the offset to 0)"
             )
         window = self.attention_window
         if window is not None and (

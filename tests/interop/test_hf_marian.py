@@ -152,12 +152,12 @@ def test_bad_inputs_name_the_problem(tmp_path, saved):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
         hf.load_pretrained(str(tmp_path / "empty"))
-    bart = json.loads((folder / "config.json").read_text())
-    bart["model_type"] = "bart"
-    (tmp_path / "bart").mkdir()
-    (tmp_path / "bart" / "config.json").write_text(json.dumps(bart))
-    with pytest.raises(ValueError, match="model_type 'bart'"):
-        hf.load_pretrained(str(tmp_path / "bart"))
+    other = json.loads((folder / "config.json").read_text())
+    other["model_type"] = "pegasus"
+    (tmp_path / "pegasus").mkdir()
+    (tmp_path / "pegasus" / "config.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="model_type 'pegasus'"):
+        hf.load_pretrained(str(tmp_path / "pegasus"))
     with pytest.raises(ValueError, match="norm_position='pre'"):
         hf.save_pretrained(str(tmp_path / "out"), config.replace(norm_position="pre"), params)
     assert not (tmp_path / "out").exists()  # refused before anything was written
@@ -351,6 +351,8 @@ REFUSED = {
         for layers in ("both", "encoder", "decoder")
     ],
     "quantization": [{"quantization": "int8"}],
+    "learned_position_offset": [{"learned_position_offset": 2, "position": "learned"}],
+    "embedding_norm": [{"embedding_norm": True}],
 }
 IRRELEVANT = {
     "dtype": {"dtype": "bfloat16"},

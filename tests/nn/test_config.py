@@ -66,6 +66,10 @@ def test_frozen():
         (dict(target_vocab_size=10, share_embeddings=True), "share_embeddings"),
         (dict(pad_id=40000), "pad_id"),
         (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"),
+        (dict(position="learned", learned_position_offset=-1), "learned_position_offset"),
+        (dict(position="learned", learned_position_offset=2.0), "learned_position_offset"),
+        (dict(position="sinusoidal", learned_position_offset=2), "learned_position_offset"),
+        (dict(embedding_norm=1), "embedding_norm"),
     ],
 )
 def test_invalid_config_names_the_field(kwargs, field):
