@@ -169,6 +169,10 @@ class GenerationConfig:
         ``forced_eos_token_id``, on in Marian configs).
       banned_ids: ids never generated (single-token ``bad_words_ids``, e.g. opus-mt's PAD);
         stored as a sorted tuple of distinct ints.
+      forced_bos_id: every row's first generated token is this id (Hugging Face's
+        ``forced_bos_token_id``: ``<s>`` in bart-large, the target language code in mBART-50;
+        in beam search it costs 0); None: no token forced. Sources only (``generate``), not
+        prompt continuations.
     """
 
     method: str = "greedy"
@@ -184,6 +188,7 @@ class GenerationConfig:
     top_p: float = 1.0
     forced_eos: bool = False
     banned_ids: tuple[int, ...] = ()
+    forced_bos_id: int | None = None
 
     def __post_init__(self) -> None:
         def store(name: str, value: Any) -> None:  # normalised: equal configs hash alike
@@ -246,6 +251,13 @@ class GenerationConfig:
                 f"banned_ids must be a sequence of token ids (ints >= 0); got {self.banned_ids!r}"
             )
         store("banned_ids", ids)
+        if self.forced_bos_id is not None:
+            if not _is_int(self.forced_bos_id) or self.forced_bos_id < 0:
+                raise ValueError(
+                    "forced_bos_id must be None (no forced first token) or a token id (an int "
+                    f">= 0); got {self.forced_bos_id!r}"
+                )
+            store("forced_bos_id", int(self.forced_bos_id))
 
     # ------------------------------------------------------------------ against a model
 
@@ -269,6 +281,18 @@ class GenerationConfig:
         else:
             check_decode_len(model_config, self.max_len, prompt_len)
         vocab = model_config.output_vocab_size
+        if self.forced_bos_id is not None:
+            if prompt_len is not None:
+                raise ValueError(
+                    f"forced_bos_id={self.forced_bos_id} forces the first token after the "
+                    "decoder start of a source's translation; a prompt continuation has none: "
+                    "leave forced_bos_id=None"
+                )
+            if self.forced_bos_id >= vocab:
+                raise ValueError(
+                    f"forced_bos_id must be a token id in [0, {vocab}) (the output vocabulary); "
+                    f"got {self.forced_bos_id}"
+                )
         if any(i >= vocab for i in self.banned_ids):
             raise ValueError(
                 f"banned_ids must be a sequence of token ids (ints in [0, {vocab})); got "
@@ -402,7 +426,8 @@ class GenerationConfig:
         """How ``MarianMTModel.generate()`` with no arguments decodes a Hugging Face folder (or
         hub id), or a generation config dict (``generation_config.json``'s fields): greedy
         unless ``num_beams`` > 1; Hugging Face's beam rules with ``alpha = length_penalty``
-        (default 1.0) and its ``early_stopping``; ``max_new_tokens``, else ``max_length`` - 1,
+        (default 1.0) and its ``early_stopping``; the first token forced to
+        ``forced_bos_token_id`` when set; ``max_new_tokens``, else ``max_length`` - 1,
         else 20 tokens for every row (:func:`hf_generation.generate_new_tokens`); EOS forced at
         the limit when ``forced_eos_token_id`` is the model's EOS; the single-token
         ``bad_words_ids`` banned; ``renormalize_logits``. A folder is read as transformers
@@ -439,6 +464,7 @@ class GenerationConfig:
             renormalize=bool(defaults.get("renormalize_logits", False)),
             forced_eos=defaults.get("forced_eos_token_id") == model_config.eos_id,
             banned_ids=tuple(sorted(single - {model_config.eos_id})),
+            forced_bos_id=defaults.get("forced_bos_token_id"),
         ).checked_for(model_config)
 
 
