@@ -131,8 +131,9 @@ class TransformerConfig:
       quantization: None (float) or "int8": inference with int8 weights and per-row int8
         activations (``quantize``: the parameters must come from ``quantize.quantize_params``;
         encoder-decoder and decoder-only models; mixture-of-experts blocks stay float).
-      learned_position_offset: ``position="learned"`` only: rows the learned table keeps
-        before position 0 (Hugging Face BART/mBART: 2). The table is `[max_len + offset,
+      learned_position_offset: rows the learned position table keeps before position 0
+        (Hugging Face BART/mBART: 2); inert unless ``position="learned"`` (checked whatever
+        the position kind, as the relative buckets are). The table is `[max_len + offset,
         d_model]` and position p reads row p + offset; the first rows are parameters no
         position reads (kept so that a checkpoint round-trips). 0: `[max_len, d_model]`.
       embedding_norm: a norm (``norm_type``) on the embedding sum (tokens + positions) before
@@ -371,11 +372,6 @@ class TransformerConfig:
             raise ValueError(
                 "TransformerConfig.learned_position_offset must be an integer >= 0 (rows of the "
                 f"learned position table before position 0; BART: 2); got {offset!r}"
-            )
-        if offset and self.position != "learned":
-            raise ValueError(
-                f"TransformerConfig.learned_position_offset={offset} applies to "
-                f"position='learned' only; got position={self.position!r} (set the offset to 0)"
             )
         window = self.attention_window
         if window is not None and (

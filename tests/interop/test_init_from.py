@@ -217,6 +217,7 @@ ALTERNATIVES = dict(
     use_bias=False, fused_qkv=True, num_classes=3, pooling="first", num_experts=2,
     num_experts_per_token=1, moe_every=2, attention_window=2, attention_window_layers="encoder",
     relative_num_buckets=8, relative_max_distance=20, head_dim=4, quantization="int8",
+    learned_position_offset=2, embedding_norm=True,
 )  # fmt: skip
 
 

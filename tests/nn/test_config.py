@@ -68,7 +68,6 @@ def test_frozen():
         (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"),
         (dict(position="learned", learned_position_offset=-1), "learned_position_offset"),
         (dict(position="learned", learned_position_offset=2.0), "learned_position_offset"),
-        (dict(position="sinusoidal", learned_position_offset=2), "learned_position_offset"),
         (dict(embedding_norm=1), "embedding_norm"),
     ],
 )
