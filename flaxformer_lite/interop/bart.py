@@ -19,7 +19,8 @@ row whatever its padding, as ours do. Parameter names (``naming`` applies the la
     model.shared (= embed_tokens = lm_head)             ->  source_embedding
     final_logits_bias `[1, vocab]`                      ->  decoder/logits_bias `[vocab]`
 
-Decoding: ``forced_bos_token_id`` (the first generated token: ``<s>`` in bart-large, the
+Tokenizer: ``data.hf_tokenizers.load_hf_tokenizer`` (``load_tokenizer``). Decoding:
+``forced_bos_token_id`` (the first generated token: ``<s>`` in bart-large, the
 target language code in mBART-50) and ``forced_eos_token_id`` are ``GenerationConfig``'s
 ``forced_bos_id`` and ``forced_eos``, read from the folder's generation config.
 
@@ -33,6 +34,7 @@ describe another model than the one transformers builds for the ``model_type``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -359,7 +361,24 @@ def default_generation(config: TransformerConfig) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def load_tokenizer(root: epath.Path) -> Any:
-    """None: BART's byte-level BPE comes with ``data.hf_tokenizers`` (not on this branch)."""
-    del root
+def _model_type_in(root: epath.Path) -> str | None:
+    """The model_type of a Hugging Face folder (its ``config.json``) or of a train.py workdir
+    (its ``model_config.json``: pre-LN is mBART); None when neither is there."""
+    config_path = root / "config.json"
+    if config_path.is_file():
+        return json.loads(config_path.read_text()).get("model_type")
+    workdir_config = root / "model_config.json"
+    if workdir_config.is_file():
+        return model_type_of(TransformerConfig.from_json(workdir_config.read_text()))
     return None
+
+
+def load_tokenizer(root: epath.Path) -> Any:
+    """The tokenizer in ``root`` (``data.hf_tokenizers``: BART's byte-level BPE, mBART's
+    SentencePiece, or a ``tokenizer.json``), or None when its files are absent."""
+    model_type = _model_type_in(root)
+    if model_type not in MODEL_TYPES:
+        return None
+    from flaxformer_lite.data.hf_tokenizers import load_hf_tokenizer
+
+    return load_hf_tokenizer(str(root), model_type)

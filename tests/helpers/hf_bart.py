@@ -109,14 +109,17 @@ def padded_rows(rng, rows: int, length: int, min_len: int = 2) -> np.ndarray:
     return out
 
 
+LANGUAGE_CODE = "en_XX"  # mBART's tokenizer needs its source and target codes in the vocabulary
+
+
 def tokens() -> list[str]:
-    """The tokenizer's vocabulary by id: fairseq's four specials, then single byte-level
-    characters (no merges), VOCAB in all."""
+    """The tokenizer's vocabulary by id: fairseq's four specials, single byte-level characters
+    (no merges), and an mBART language code as the last id; VOCAB in all."""
     chars = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     chars += [chr(c) for c in range(ord("A"), ord("Z") + 1)]
     chars += [str(d) for d in range(10)]
-    real = chars[: VOCAB - FIRST_REAL]
-    return ["<s>", "<pad>", "</s>", "<unk>", *real]
+    real = chars[: VOCAB - FIRST_REAL - 1]
+    return ["<s>", "<pad>", "</s>", "<unk>", *real, LANGUAGE_CODE]
 
 
 def write_tokenizer(folder: Path) -> None:

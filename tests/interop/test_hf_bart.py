@@ -170,14 +170,23 @@ def test_save_then_transformers_gives_bitwise_the_same_logits(saved, tmp_path):
 
 
 def test_ctranslate2_converts_the_saved_folder_and_agrees_on_greedy(saved, tmp_path):
-    """CTranslate2's converter reads our saved folder (with a BartTokenizer's files written
-    beside it) and its greedy tokens equal ours on every row (no forced EOS, which CTranslate2
+    """A folder with a BartTokenizer's files loads with our tokenizer (transformers' ids);
+    CTranslate2's converter reads what save_pretrained writes of model and tokenizer, and its
+    greedy tokens equal ours on every row (no forced EOS, which CTranslate2
     does not have; the forced first token is its target prefix)."""
     ctranslate2 = pytest.importorskip("ctranslate2", reason="CTranslate2 is the reference")
     name, model, _, config, params = saved
+    with_tokenizer = tmp_path / "hf"
+    model.save_pretrained(with_tokenizer)
+    write_tokenizer(with_tokenizer)
+    config2, params2, tokenizer = hf.load_pretrained(str(with_tokenizer))
+    assert config2 == config and tokenizer is not None and tokenizer.unk_id == 3
+    if name == "bart":  # (a BartTokenizer's files under model_type mbart: no MBartTokenizer)
+        reference = transformers.AutoTokenizer.from_pretrained(str(with_tokenizer))
+        texts = ["abc dEf", "xyz 123 q"]
+        assert tokenizer.encode(texts) == reference(texts)["input_ids"]
     out = tmp_path / "ours"
-    hf.save_pretrained(str(out), config, params)
-    write_tokenizer(out)
+    hf.save_pretrained(str(out), config, params, tokenizer)  # the converter reads its files
     ct2_dir = tmp_path / "ct2"
     ctranslate2.converters.TransformersConverter(str(out)).convert(str(ct2_dir), force=True)
     src = padded_rows(np.random.default_rng(8), ROWS, SRC_LEN)
