@@ -24,9 +24,10 @@ Tokenizer: ``data.hf_tokenizers.load_hf_tokenizer`` (``load_tokenizer``). Decodi
 target language code in mBART-50) and ``forced_eos_token_id`` are ``GenerationConfig``'s
 ``forced_bos_id`` and ``forced_eos``, read from the folder's generation config.
 
-Refused (one line naming the key): different encoder/decoder widths, head counts or depths of
-fields we hold once, an activation other than GELU/ReLU/swish, ``activation_dropout`` or
-layer drop, untied embeddings (``tie_word_embeddings=false``), and fairseq's legacy keys
+``activation_dropout`` (bart-base/large: 0.1) is ``activation_dropout_rate``. Refused (one
+line naming the key): encoder and decoder that differ in head count or feed-forward width, an
+activation other than GELU/ReLU/swish, layer drop, untied embeddings
+(``tie_word_embeddings=false``), and fairseq's legacy keys
 (``normalize_before``, ``add_final_layer_norm``, ``normalize_embedding``,
 ``static_position_embeddings``, ``add_bias_logits``, ``extra_pos_embeddings``) where they
 describe another model than the one transformers builds for the ``model_type``.
@@ -98,7 +99,7 @@ def hf_problems(hf: Mapping[str, Any]) -> list[str]:
     act = hf.get("activation_function", "gelu")
     if act not in FROM_HF_ACTIVATION:
         found.append(f"activation_function={act!r} (valid: {sorted(FROM_HF_ACTIVATION)})")
-    for key in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
+    for key in ("encoder_layerdrop", "decoder_layerdrop"):
         if float(hf.get(key) or 0.0) > 0:
             found.append(f"{key}={hf[key]} (not part of TransformerConfig; valid: 0.0)")
     if hf.get("tie_word_embeddings", True) is not True:
@@ -146,6 +147,7 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
         num_decoder_layers=_required(hf, "decoder_layers"),
         dropout_rate=float(hf.get("dropout", 0.1)),
         attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+        activation_dropout_rate=float(hf.get("activation_dropout") or 0.0),
         max_len=_required(hf, "max_position_embeddings"),
         activation=FROM_HF_ACTIVATION[hf.get("activation_function", "gelu")],
         norm_position="pre" if model_type == "mbart" else "post",
@@ -168,8 +170,9 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 
 # What save_pretrained does with each TransformerConfig field, as marian's comment says for
 # Marian: written: vocab_size, d_model, num_heads, d_ff, num_*_layers, dropout_rate,
-# attention_dropout_rate, max_len, activation, norm_position (which model_type),
-# scale_embeddings, pad_id, bos_id, eos_id (logits_bias=False: a zero final_logits_bias);
+# attention_dropout_rate, activation_dropout_rate, max_len, activation, norm_position (which
+# model_type), scale_embeddings, pad_id, bos_id, eos_id (logits_bias=False: a zero
+# final_logits_bias);
 # refused unless BART's value (``problems``): target_vocab_size, share_embeddings,
 # tie_output_embedding, num_kv_heads, head_dim, norm_type, layer_norm_epsilon, position,
 # learned_position_offset, embedding_norm, use_bias, fused_qkv, num_experts, attention_window,
@@ -250,7 +253,7 @@ def config_to_hf(config: TransformerConfig, *, dequantize: bool = False) -> dict
         "activation_function": TO_HF_ACTIVATION[config.activation],
         "dropout": config.dropout_rate,
         "attention_dropout": config.attention_dropout_rate,
-        "activation_dropout": 0.0,
+        "activation_dropout": config.activation_dropout_rate,
         "encoder_layerdrop": 0.0,
         "decoder_layerdrop": 0.0,
         "max_position_embeddings": config.max_len,

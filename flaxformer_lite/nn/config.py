@@ -138,6 +138,9 @@ class TransformerConfig:
         position reads (kept so that a checkpoint round-trips). 0: `[max_len, d_model]`.
       embedding_norm: a norm (``norm_type``) on the embedding sum (tokens + positions) before
         the first layer and its dropout, in every stack (BART's ``layernorm_embedding``).
+      activation_dropout_rate: dropout on the hidden units of the dense feed-forward blocks,
+        after the activation (BART's ``activation_dropout``; mixture-of-experts blocks have
+        none); training only.
     """
 
     vocab_size: int = 37000
@@ -189,6 +192,7 @@ class TransformerConfig:
     # BART / mBART (interop/bart.py).
     learned_position_offset: int = 0
     embedding_norm: bool = False
+    activation_dropout_rate: float = 0.0
 
     def __post_init__(self) -> None:
         # Grouped by concern, each group checking its fields' types before their values; a
@@ -247,11 +251,12 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"TransformerConfig.{name} must be a bool; got {value!r}")
-        for name in ("dropout_rate", "attention_dropout_rate", "layer_norm_epsilon"):
+        rates = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate")
+        for name in (*rates, "layer_norm_epsilon"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ValueError(f"TransformerConfig.{name} must be a number; got {value!r}")
-        for name in ("dropout_rate", "attention_dropout_rate"):
+        for name in rates:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1); got {value!r}")

@@ -229,7 +229,6 @@ REFUSED_HF = {
     "heads": ({"decoder_attention_heads": 2}, "encoder_attention_heads=4 but decoder_attention"),
     "ffn": ({"decoder_ffn_dim": 32}, "encoder_ffn_dim=64 but decoder_ffn_dim=32"),
     "activation": ({"activation_function": "tanh"}, "activation_function='tanh'"),
-    "activation_dropout": ({"activation_dropout": 0.1}, "activation_dropout=0.1"),
     "layerdrop": ({"encoder_layerdrop": 0.2}, "encoder_layerdrop=0.2"),
     "untied": ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
     # fairseq's pre-LN flag, the other value than the model_type's (BART False, mBART True)
@@ -293,3 +292,14 @@ def test_configs_bart_cannot_express_are_refused_before_writing(saved, changes, 
     with pytest.raises(ValueError, match=f"{field}={getattr(bad, field)!r}"):
         hf.save_pretrained(str(tmp_path / "out"), bad, params, model_type="bart")
     assert not (tmp_path / "out").exists()
+
+
+def test_activation_dropout_is_read_and_written(saved, tmp_path):
+    """bart-base/large's ``activation_dropout=0.1`` is ``activation_dropout_rate``, both ways
+    (transformers reads the value we write)."""
+    name, model, folder, config, params = saved
+    hc = json.loads((folder / "config.json").read_text())
+    assert bart.config_from_hf({**hc, "activation_dropout": 0.1}).activation_dropout_rate == 0.1
+    hf.save_pretrained(str(tmp_path), config.replace(activation_dropout_rate=0.1), params)
+    assert json.loads((tmp_path / "config.json").read_text())["activation_dropout"] == 0.1
+    assert type(model.config).from_pretrained(str(tmp_path)).activation_dropout == 0.1

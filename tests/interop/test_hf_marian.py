@@ -318,6 +318,7 @@ WRITTEN = {
     "num_decoder_layers": ({"num_decoder_layers": 1}, {"decoder_layers": 1}),
     "dropout_rate": ({"dropout_rate": 0.2}, {"dropout": 0.2}),
     "attention_dropout_rate": ({"attention_dropout_rate": 0.3}, {"attention_dropout": 0.3}),
+    "activation_dropout_rate": ({"activation_dropout_rate": 0.2}, {"activation_dropout": 0.2}),
     "max_len": ({"max_len": 40}, {"max_position_embeddings": 40}),
     "activation": ({"activation": "gelu"}, {"activation_function": "gelu_new"}),
     "scale_embeddings": ({"scale_embeddings": False}, {"scale_embedding": False}),
