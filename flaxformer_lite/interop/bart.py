@@ -51,7 +51,7 @@ MODEL_TYPES = ("bart", "mbart")
 DECODER_ONLY = False
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding.offset
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; BartConfig has no field
-UNK_ID = 3  # <unk> in every fairseq dictionary (BART's and mBART's)
+FAIRSEQ_UNK = 3  # <unk> in every fairseq dictionary (BART's and mBART's)
 
 Params = dict[str, Any]
 
@@ -164,7 +164,7 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
         pad_id=_required(hf, "pad_token_id"),
         bos_id=start,
         eos_id=_required(hf, "eos_token_id"),
-        unk_id=UNK_ID if unk_id is None else unk_id,
+        unk_id=FAIRSEQ_UNK if unk_id is None else unk_id,
     )
 
 
