@@ -37,7 +37,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxformer_lite.core import paths, sharding
-from flaxformer_lite.core.checkpoint_errors import CheckpointError
+from flaxformer_lite.core.checkpoint_errors import CheckpointError, SaveError
 from flaxformer_lite.core.checkpoints import Checkpointer
 from flaxformer_lite.data import reading as data
 from flaxformer_lite.data import tasks
@@ -594,9 +594,9 @@ class Run:
     log: Callable[..., None]
 
 
-def evaluate(run: Run, params, step: int) -> dict[str, float]:
+def evaluate(run: Run, params, step: int, *, write: bool = True) -> dict[str, float]:
     """Eval-set metrics (and decoding metrics when the task has them) of ``params``, written
-    to ``metrics.jsonl`` and logged."""
+    to ``metrics.jsonl`` (unless ``write`` is False) and logged."""
     totals = dict.fromkeys(sum_keys(run.cfg), 0.0)
     for batch in run.task.eval_batches:
         batch = sharding.host_local_to_global(sharding.process_rows(batch), run.mesh)
@@ -610,7 +610,8 @@ def evaluate(run: Run, params, step: int) -> dict[str, float]:
             run.log(f"  {src!r} -> {hyp!r} (reference {ref!r})")
     if run.task.kind == "lm" and run.config.decode_eval:
         run.log(f"  sample: {lm_sample(run.task, params, run.cfg, step, run.mesh)!r}")
-    run.writer.write(step, metrics)
+    if write:
+        run.writer.write(step, metrics)
     run.log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics
 
@@ -828,14 +829,17 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                 pending = []
                 window.stop_clock(clock())
                 if save_failed:  # the steps since the last intact checkpoint are lost: no row
-                    checkpoint_faults.raise_save_failure(checkpointer)
+                    checkpoint_faults.raise_save_failure(checkpointer, done)
                 if log_now or stop:  # a stopped run logs its last, partial window
                     write_train_line(run, done, window, peak, bar)
                     window = LogWindow()
                 if preempted:
                     print(preemption.notice(done), flush=True)
                 if save_now or stop:
-                    save_checkpoint(run, done, state, force=stop)  # `finally` waits for it
+                    try:  # `finally` waits for it
+                        save_checkpoint(run, done, state, force=stop)
+                    except SaveError:  # the save before it failed, seen while waiting for it
+                        checkpoint_faults.raise_save_failure(checkpointer, done)
                 if stop:
                     return {}
                 if eval_now:
@@ -850,7 +854,10 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
             if final not in checkpointer.all_steps():
                 save_checkpoint(run, final, state, force=True)
             if not eval_metrics or (config.eval_every and final % config.eval_every):
-                eval_metrics = evaluate(run, state.params, final)
+                # A rerun of a finished run trains nothing: it evaluates again for its final
+                # line, but its row is written already (unless that run died evaluating).
+                again = final == start_step and run.writer.has_row(final, "eval/")
+                eval_metrics = evaluate(run, state.params, final, write=not again)
     finally:
         bar.close()
         preemption.close()

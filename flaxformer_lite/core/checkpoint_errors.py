@@ -22,18 +22,29 @@ class CheckpointError(RuntimeError):
 
 class SaveError(CheckpointError):
     """Saving checkpoint ``step`` in ``directory`` failed (``cause``: e.g. "No space left on
-    device"); ``intact`` are the finished steps there, the newest of which a rerun resumes."""
+    device"); ``intact`` are the finished steps there, the newest of which a rerun resumes;
+    ``stopped_at``: the step boundary where the run stopped, when the train loop knows it."""
 
-    def __init__(self, step: int | None, directory: str, cause: str, intact: Sequence[int]):
+    def __init__(
+        self,
+        step: int | None,
+        directory: str,
+        cause: str,
+        intact: Sequence[int],
+        *,
+        stopped_at: int | None = None,
+    ):
         self.step, self.directory, self.cause, self.intact = step, directory, cause, list(intact)
+        self.stopped_at = stopped_at
         which = "a checkpoint" if step is None else f"checkpoint {step}"
         if self.intact:
             kept = ", ".join(map(str, self.intact))
             after = f"intact checkpoints: {kept}; rerun to resume from step {self.intact[-1]}"
         else:
             after = "no checkpoint is intact; rerun to start again from step 0"
+        at = "" if stopped_at is None else f" at step {stopped_at}"
         super().__init__(
-            f"saving {which} in {directory} failed: {cause}; the run stopped; {after}"
+            f"saving {which} in {directory} failed: {cause}; the run stopped{at}; {after}"
             " (once the cause is fixed)"
         )
 
@@ -109,11 +120,16 @@ class QuietOrbaxFailures(logging.Filter):
 
 class _QuietOrphans(logging.Filter):
     """Drops asyncio's "exception was never retrieved" records of Orbax's write tasks that a
-    failed save left behind (logged when they are garbage collected, up to the exit)."""
+    failed save left behind (logged when they are garbage collected, up to the exit), and its
+    "Task was destroyed but it is pending!" records of those a failed save left waiting (on a
+    process of a multi-host run, for the folder another process could not create)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        orphan = "exception was never retrieved" in message
+        orphan = any(
+            what in message
+            for what in ("exception was never retrieved", "Task was destroyed but it is pending")
+        )
         return not (orphan and any(w in message for w in ("OCDBT", "orbax", "tensorstore")))
 
 

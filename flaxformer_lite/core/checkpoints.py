@@ -36,6 +36,7 @@ from flaxformer_lite.core.checkpoint_errors import (
     quiet_failed_save_leftovers,
     unreadable,
 )
+from flaxformer_lite.core.save_barrier import SaveBarrier
 
 
 class _Manager(ocp.CheckpointManager):
@@ -60,8 +61,16 @@ class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True) -> None:
         self.directory = str(paths.resolve(directory))  # local: absolute; gs://: as is
         paths.refresh(self.directory)  # see the steps other processes wrote until now
+        # Several processes: a barrier that a process whose write failed does not leave the
+        # others waiting at for Orbax's 20-minute timeout (save_barrier.py).
+        async_options = None
+        if jax.process_count() > 1:
+            async_options = ocp.AsyncOptions(barrier_sync_fn=SaveBarrier.for_this_run())
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            max_to_keep=keep,
+            create=True,
+            enable_async_checkpointing=async_save,
+            async_options=async_options,
         )
         self._manager = _Manager(
             self.directory,

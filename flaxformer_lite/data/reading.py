@@ -82,14 +82,33 @@ def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
+def decode_utf8(data: bytes, path: str, first_line: int = 1) -> str:
+    """``data`` (lines of ``path`` from line ``first_line`` on) decoded as UTF-8.
+
+    Raises:
+      DataError: a byte that is not UTF-8; the message names the file, the line (1-based,
+        counting "\\n") and the byte's position in it (1-based), as the translate CLI does.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        column = e.start - data.rfind(b"\n", 0, e.start)  # rfind: -1 on the first line
+        raise DataError(
+            f"{path} line {line}: byte {column} (0x{data[e.start]:02x}) is not UTF-8; convert "
+            "the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
 def _read_lines(path: str) -> list[str]:
-    """Lines of a local or ``gs://`` text file, without their newline."""
+    """Lines of a local or ``gs://`` text file, without their newline (DataError: a line that
+    is not UTF-8)."""
     file = epath.Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"data file not found: {path}")
     # Split on "\n" only. Universal newlines (and str.splitlines) would also split on "\r",
     # U+2028, U+0085, ... inside a line and break the source/target alignment.
-    lines = file.read_bytes().decode("utf-8").split("\n")
+    lines = decode_utf8(file.read_bytes(), path).split("\n")
     if lines[-1] == "":  # the final newline ends the last line; it does not start a new one
         lines.pop()
     return lines
@@ -252,10 +271,11 @@ def _count_lines(path: str) -> int:
 
 def _iter_lines(path: str) -> Iterator[str]:
     """Lines of a local or ``gs://`` text file, one at a time, split on "\\n" only (binary
-    lines: "\\r" and U+2028 stay inside their line, as in :func:`_read_lines`)."""
+    lines: "\\r" and U+2028 stay inside their line, as in :func:`_read_lines`); DataError at
+    a line that is not UTF-8."""
     with epath.Path(path).open("rb") as f:
-        for line in f:
-            yield line.rstrip(b"\n").decode("utf-8")
+        for number, line in enumerate(f, start=1):
+            yield decode_utf8(line.rstrip(b"\n"), path, number)
 
 
 def _table_rows(table: Any, columns: Sequence[str], batch_size: int = 10_000) -> Iterator[tuple]:

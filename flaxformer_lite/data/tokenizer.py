@@ -101,29 +101,43 @@ class Tokenizer:
         # SentencePiece's sentence sampling uses a process-global generator.
         spm.set_random_generator_seed(seed)
         model = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=(t for t in texts if t and not t.isspace()),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            character_coverage=character_coverage,
-            input_sentence_size=max_sentences,
-            shuffle_input_sentence=True,
-            hard_vocab_limit=False,
-            # nmt_nfkc maps U+00A0 and other odd spaces to plain spaces, among others.
-            normalization_rule_name="nmt_nfkc",
-            byte_fallback=byte_fallback,
-            pad_id=PAD_ID,
-            eos_id=EOS_ID,
-            bos_id=BOS_ID,
-            unk_id=UNK_ID,
-            pad_piece=SPECIAL_PIECES[PAD_ID],
-            eos_piece=SPECIAL_PIECES[EOS_ID],
-            bos_piece=SPECIAL_PIECES[BOS_ID],
-            unk_piece=SPECIAL_PIECES[UNK_ID],
-            num_threads=num_threads or os.cpu_count() or 1,
-            minloglevel=2,
-        )
+        failed: list[Exception] = []
+
+        def sentences():
+            try:
+                yield from (t for t in texts if t and not t.isspace())
+            except Exception as e:  # e.g. a DataError of the reader, which SentencePiece
+                failed.append(e)  # would turn into a RuntimeError("INTERNAL: ...")
+                raise
+
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=sentences(),
+                model_writer=model,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                input_sentence_size=max_sentences,
+                shuffle_input_sentence=True,
+                hard_vocab_limit=False,
+                # nmt_nfkc maps U+00A0 and other odd spaces to plain spaces, among others.
+                normalization_rule_name="nmt_nfkc",
+                byte_fallback=byte_fallback,
+                pad_id=PAD_ID,
+                eos_id=EOS_ID,
+                bos_id=BOS_ID,
+                unk_id=UNK_ID,
+                pad_piece=SPECIAL_PIECES[PAD_ID],
+                eos_piece=SPECIAL_PIECES[EOS_ID],
+                bos_piece=SPECIAL_PIECES[BOS_ID],
+                unk_piece=SPECIAL_PIECES[UNK_ID],
+                num_threads=num_threads or os.cpu_count() or 1,
+                minloglevel=2,
+            )
+        except RuntimeError:
+            if failed:
+                raise failed[0] from None
+            raise
         paths.write_atomic(model_path, model.getvalue())
         return cls.load(model_path)
 

@@ -43,6 +43,7 @@ One module per job; this package re-exports their public names:
   classifier       EncoderClassifier
   layouts          unstack_layers, unrolled, param_path, abstract_params
   intermediates    attention_weights_per_layer
+  nnx_bridge       to_nnx (the models as Flax NNX modules), linen_params
 """
 
 from flaxformer_lite.models.classifier import EncoderClassifier
@@ -52,6 +53,7 @@ from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
 from flaxformer_lite.models.intermediates import attention_weights_per_layer
 from flaxformer_lite.models.layouts import abstract_params, param_path, unrolled, unstack_layers
+from flaxformer_lite.models.nnx_bridge import linen_params, to_nnx
 from flaxformer_lite.models.stack import layer_stack
 from flaxformer_lite.models.tokens import check_tokens, shift_right
 
@@ -66,9 +68,11 @@ __all__ = [
     "attention_weights_per_layer",
     "check_tokens",
     "layer_stack",
+    "linen_params",
     "param_path",
     "reorder_beam_cache",
     "shift_right",
+    "to_nnx",
     "unrolled",
     "unstack_layers",
 ]

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.core.logical_params import logical_init
 from flaxformer_lite.models.embedder import make_embedding
 from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.tokens import check_tokens
@@ -43,7 +44,7 @@ class EncoderClassifier(nn.Module):
         elif cfg.pooling == "attention":
             query = self.param(
                 "pooling_query",
-                nn.with_logical_partitioning(nn.initializers.normal(1.0), ("embed",)),
+                logical_init(nn.initializers.normal(1.0), ("embed",)),
                 (cfg.d_model,),
                 cfg.parameter_dtype,
             )
@@ -60,10 +61,8 @@ class EncoderClassifier(nn.Module):
         pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
         logits = nn.Dense(
             cfg.num_classes,
-            kernel_init=nn.with_logical_partitioning(
-                nn.initializers.xavier_uniform(), ("embed", None)
-            ),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,)),
+            kernel_init=logical_init(nn.initializers.xavier_uniform(), ("embed", None)),
+            bias_init=logical_init(nn.initializers.zeros_init(), (None,)),
             dtype=cfg.compute_dtype,
             param_dtype=cfg.parameter_dtype,
             name="head",

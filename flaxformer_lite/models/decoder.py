@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from flaxformer_lite.core.logical_params import logical_init
 from flaxformer_lite.models.embedder import Embedder
 from flaxformer_lite.models.stack import constrain_residual, layer_stack, relative_bias
 from flaxformer_lite.models.tokens import default_positions
@@ -233,9 +234,7 @@ class Decoder(nn.Module):
             logits = nn.DenseGeneral(
                 cfg.output_vocab_size,
                 use_bias=False,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.xavier_uniform(), ("embed", "vocab")
-                ),
+                kernel_init=logical_init(nn.initializers.xavier_uniform(), ("embed", "vocab")),
                 dtype=cfg.compute_dtype,
                 param_dtype=cfg.parameter_dtype,
                 name="logits",
@@ -244,7 +243,7 @@ class Decoder(nn.Module):
         if cfg.logits_bias:
             bias = self.param(
                 "logits_bias",
-                nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",)),
+                logical_init(nn.initializers.zeros_init(), ("vocab",)),
                 (cfg.output_vocab_size,),
                 cfg.parameter_dtype,
             )

@@ -2,10 +2,10 @@
 
 Every kernel carries logical axis names ("embed", "heads", "kv", "mlp", "vocab"; key/value
 projections "kv_embed" and "kv_heads", see ``sharding.LOGICAL_RULES``) through
-``nn.with_logical_partitioning`` (``logical_init``), so sharding rules can place it without
-touching the layers. With ``quantization="int8"`` a kernel is stored as int8 with a float32
-scale per output channel, as ``quantize.quantize_params`` writes them, and multiplied in int8
-(``quantize.int8_matmul``).
+``core.logical_params.logical_init`` (linen's logical partitioning box, which also becomes a
+sharded ``nnx.Variable``), so sharding rules can place it without touching the layers. With
+``quantization="int8"`` a kernel is stored as int8 with a float32 scale per output channel, as
+``quantize.quantize_params`` writes them, and multiplied in int8 (``quantize.int8_matmul``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.core.logical_params import logical_init
 from flaxformer_lite.ops.quantize import SCALE_SUFFIX, int8_matmul
 
 Array = jax.Array
@@ -24,11 +25,6 @@ Dtype = Any
 
 _zeros = nn.initializers.zeros_init()
 _ones = nn.initializers.ones_init()
-
-
-def logical_init(init: Callable, names: tuple[str | None, ...]) -> Callable:
-    """``init`` whose parameter carries the logical axis ``names`` (one per axis)."""
-    return nn.with_logical_partitioning(init, names)
 
 
 def make_kernel(

@@ -8,7 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.nn.dense import logical_init, make_kernel
+from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.nn.dense import make_kernel
 from flaxformer_lite.ops.quantize import int8_matmul
 
 Array = jax.Array

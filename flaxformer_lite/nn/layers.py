@@ -14,9 +14,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from flaxformer_lite.core.logical_params import logical_init
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.config import TransformerConfig
-from flaxformer_lite.nn.dense import Int8Dense, logical_init
+from flaxformer_lite.nn.dense import Int8Dense
 from flaxformer_lite.nn.embed import Embed, tied_logits
 from flaxformer_lite.nn.mlp import MlpBlock
 from flaxformer_lite.nn.projections import (

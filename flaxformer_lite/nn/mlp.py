@@ -8,7 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.nn.dense import Int8Dense, logical_init
+from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.nn.dense import Int8Dense
 from flaxformer_lite.ops.activations import ACTIVATIONS, GATED
 
 Array = jax.Array

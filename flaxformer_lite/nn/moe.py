@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from flax.core import unfreeze
 
+from flaxformer_lite.core.logical_params import logical_init
 from flaxformer_lite.ops.activations import ACTIVATIONS, GATED
 
 Array = jax.Array
@@ -244,7 +245,7 @@ class MoeBlock(nn.Module):
         e, d = self.num_experts, x.shape[-1]
         router = self.param(
             "router",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", None)),
+            logical_init(nn.initializers.normal(0.02), ("embed", None)),
             (d, e),
             self.param_dtype,
         )
@@ -273,9 +274,9 @@ class MoeBlock(nn.Module):
             self.sow("losses", "moe_kept", kept)
 
         def weights(name: str, shape: tuple[int, ...], names: tuple[str | None, ...], init):
-            return self.param(
-                name, nn.with_logical_partitioning(init, names), shape, self.param_dtype
-            ).astype(self.dtype)
+            return self.param(name, logical_init(init, names), shape, self.param_dtype).astype(
+                self.dtype
+            )
 
         kernel_init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", batch_axis=(0,))
         zeros = nn.initializers.zeros_init()

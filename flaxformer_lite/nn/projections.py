@@ -12,7 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.nn.dense import kernel_matmul, logical_init, make_kernel
+from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.nn.dense import kernel_matmul, make_kernel
 
 Array = jax.Array
 Dtype = Any

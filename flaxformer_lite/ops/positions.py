@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_lite.core.logical_params import logical_init
+
 Array = jax.Array
 
 
@@ -69,7 +71,7 @@ class LearnedPositions(nn.Module):
         """x `[batch, length, dim]`, positions int `[batch, length]` -> x + embedding."""
         table = self.param(
             "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed")),
+            logical_init(nn.initializers.normal(0.02), (None, "embed")),
             (self.offset + self.max_len, self.dim),
             self.param_dtype,
         )
@@ -187,7 +189,7 @@ class RelativePositionBias(nn.Module):
     def __call__(self, query_positions: Array, key_positions: Array) -> Array:
         table = self.param(
             "embedding",
-            nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "heads")),
+            logical_init(nn.initializers.normal(0.02), (None, "heads")),
             (self.num_buckets, self.num_heads),
             self.param_dtype,
         )

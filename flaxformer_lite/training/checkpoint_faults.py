@@ -28,13 +28,20 @@ from flaxformer_lite.core.checkpoints import Checkpointer, check_readable
 SET_ASIDE = "checkpoints-set-aside"  # next to checkpoints/: steps a resume went back before
 
 
-def _all_processes(flag: bool) -> bool:
-    """Whether ``flag`` holds on every process (a collective when there are several)."""
+def _processes_where_false(flag: bool) -> list[int]:
+    """The indices of the processes where ``flag`` does not hold (a collective when there
+    are several)."""
     if jax.process_count() == 1:
-        return flag
+        return [] if flag else [0]
     from jax.experimental import multihost_utils
 
-    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
+    flags = np.asarray(multihost_utils.process_allgather(np.int32(flag))).reshape(-1)
+    return [int(i) for i in np.flatnonzero(flags == 0)]
+
+
+def _all_processes(flag: bool) -> bool:
+    """Whether ``flag`` holds on every process (a collective when there are several)."""
+    return not _processes_where_false(flag)
 
 
 def save_failed(checkpointer: Checkpointer, *, sync_point: bool) -> bool:
@@ -51,13 +58,17 @@ def save_failed(checkpointer: Checkpointer, *, sync_point: bool) -> bool:
     return not _all_processes(checkpointer.save_failure() is None)
 
 
-def raise_save_failure(checkpointer: Checkpointer) -> None:
-    """Raises this run's SaveError (on a process whose own saves succeeded: the other's)."""
+def raise_save_failure(checkpointer: Checkpointer, step: int) -> None:
+    """Raises this run's SaveError (on a process whose own saves succeeded: the other's),
+    saying that the run stopped at ``step``, the step boundary where the loop saw it."""
     failure = checkpointer.save_failure()
     if failure is None:
-        steps = checkpointer.all_steps()
-        failure = SaveError(None, checkpointer.directory, "it failed on another process", steps)
-    raise failure
+        failure = SaveError(
+            None, checkpointer.directory, "it failed on another process", checkpointer.all_steps()
+        )
+    raise SaveError(
+        failure.step, failure.directory, failure.cause, failure.intact, stopped_at=step
+    ) from None
 
 
 def restore_for_resume(
@@ -124,8 +135,12 @@ def _restore_everywhere(checkpointer: Checkpointer, abstract_state: Any, step: i
     agree (Orbax's restore ends in a barrier that a process which failed would never reach)."""
     if jax.process_count() > 1:
         problem = check_readable(checkpointer.directory, step)
-        if not _all_processes(problem is None):
+        unable = _processes_where_false(problem is None)
+        if unable:  # a process's own finding names the file; the others name the processes
+            where = "process" + ("es " if len(unable) > 1 else " ") + ", ".join(map(str, unable))
             raise problem or UnreadableCheckpoint(
-                step, os.path.join(checkpointer.directory, str(step)), "unreadable on a process"
+                step,
+                os.path.join(checkpointer.directory, str(step)),
+                f"unreadable on {where} of {jax.process_count()}",
             )
     return checkpointer.restore(abstract_state, step=step)

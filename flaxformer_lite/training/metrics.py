@@ -79,6 +79,16 @@ class MetricWriter:
             self._text = kept.decode("utf-8")
         return orphans_line(orphaned, step, self.path, aside)
 
+    def has_row(self, step: int, prefix: str) -> bool:
+        """Whether ``metrics.jsonl`` holds a row of ``step`` with a metric named ``prefix...``
+        (e.g. "eval/"); False on a process that does not write."""
+        if not self.active:
+            return False
+        data = self._text.encode("utf-8") if self._remote else _read_bytes(self.path)
+        return any(
+            row["step"] == step and any(k.startswith(prefix) for k in row) for row in _rows(data)
+        )
+
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.active:
             return

@@ -123,6 +123,23 @@ def test_translation_every_pair_dropped_leaves_no_token_cache(tmp_path):
     assert sorted(os.listdir(work / "data_cache")) == caches
 
 
+def test_translation_training_line_that_is_not_utf8(tmp_path):
+    """A latin-1 byte in line 3 of the training source: the file, line and byte named, as the
+    translate CLI names them, not a UnicodeDecodeError."""
+    data = tmp_path / "data"
+    write_pairs(data, "train", lines(30), lines(30, 1))
+    write_pairs(data, "val", lines(5), lines(5, 1))
+    text = (data / "train.en").read_bytes().split(b"\n")
+    text[2] = b"caf\xe9 " + text[2]  # "cafe" with a latin-1 e-acute: byte 4 of line 3
+    (data / "train.en").write_bytes(b"\n".join(text))
+    fails_cleanly(
+        translation_config(data),
+        tmp_path / "work",
+        f"{data}/train.en line 3: byte 4 (0xe9) is not UTF-8; convert the file to UTF-8 "
+        "(e.g. iconv -f latin1 -t utf-8)",
+    )
+
+
 # ============================================================================ language model
 
 
@@ -146,6 +163,15 @@ def test_lm_empty_training_file(tmp_path):
         "empty training split",
         f"config.data_file={str(tmp_path / 'text.txt')!r}",
         "read 2 examples, kept 0",
+    )
+
+
+def test_lm_training_file_line_that_is_not_utf8(tmp_path):
+    (tmp_path / "text.txt").write_bytes(lines(6).encode() + b"ok \xff\xfe\n" + lines(4).encode())
+    fails_cleanly(
+        lm_config(tmp_path / "text.txt"),
+        tmp_path / "work",
+        f"{tmp_path / 'text.txt'} line 7: byte 4 (0xff) is not UTF-8",
     )
 
 

@@ -1,9 +1,10 @@
 """train.py runs in subprocesses for tests, and what they leave behind: the command lines,
-waiting for a checkpoint, the saved state and the last smoothed loss; a free localhost port
-for multi-process runs and local servers."""
+waiting for a checkpoint, the saved state, its files' digests, the metrics rows and the last
+smoothed loss; a free localhost port for multi-process runs and local servers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 
 from flaxformer_lite.core.checkpoints import Checkpointer, finished_steps
+from flaxformer_lite.training.metrics import read_metrics
 
 from helpers.tiny_configs import TINY_OVERRIDES
 
@@ -103,17 +105,20 @@ def wait_for_checkpoint(workdir: Path | str, proc: subprocess.Popen, timeout: fl
     raise AssertionError("no checkpoint appeared in time")
 
 
-def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait=True):
+def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait=True, prefix=()):
     """train.py with SHARDING_FLAGS (and ``extra``) on ``devices`` simulated CPU devices;
     ``wait=False``: the running Popen (stdout and stderr together), else the finished run,
-    asserted successful."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    asserted successful. ``prefix``: a command that runs the command line after it (e.g.
+    ``unshare``)."""
+    # faulthandler: a SIGABRT (a test's timeout) prints where every thread of the run stands
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1"}
     if devices > 1:
         env["XLA_FLAGS"] = (
             f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
         )
     env.update(env_extra or {})
     cmd = [
+        *prefix,
         sys.executable,
         str(ROOT / "train.py"),
         "--config",
@@ -145,6 +150,23 @@ def checkpoint_params(workdir: Path) -> dict:
     """The latest checkpoint's parameters as saved (nested dicts of NumPy arrays)."""
     state, _ = saved_state(workdir)
     return jax.tree_util.tree_map(np.asarray, state["params"])
+
+
+def digests(step_dir: Path) -> dict[str, str]:
+    """sha256 of every file under a checkpoint step's directory, by relative path."""
+    return {
+        str(p.relative_to(step_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(step_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def assert_one_row_per_step_and_kind(workdir: Path) -> None:
+    """``workdir``'s metrics.jsonl has train and eval rows, at most one per step of each."""
+    rows = read_metrics(str(workdir))
+    for kind in ("train/smoothed_kl", "eval/smoothed_kl"):
+        steps = [m["step"] for m in rows if kind in m]
+        assert steps and len(steps) == len(set(steps)), (kind, steps)
 
 
 def final_loss(workdir: Path) -> float:

@@ -5,12 +5,10 @@ byte as they were, and a rerun ends bitwise equal to an uninterrupted run of the
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import jax
@@ -20,7 +18,8 @@ import pytest
 from flaxformer_lite.core.checkpoints import finished_steps
 from flaxformer_lite.training.metrics import read_metrics
 
-from helpers.runs import saved_state, train_cmd
+from helpers.runs import assert_one_row_per_step_and_kind, digests, saved_state, train_cmd
+from helpers.small_disk import small_tmpfs
 
 TOTAL = 12  # every scenario ends here, bitwise equal to one uninterrupted run
 # Constant after warmup: the compiled step does not depend on num_train_steps, so runs of
@@ -35,15 +34,6 @@ def run(workdir: Path, steps: int, **config) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
 
 
-def digests(step_dir: Path) -> dict[str, str]:
-    """sha256 of every file under a checkpoint step's directory, by relative path."""
-    return {
-        str(p.relative_to(step_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(step_dir.rglob("*"))
-        if p.is_file()
-    }
-
-
 def assert_bitwise_equal(workdir: Path, reference: Path) -> None:
     a, data_a = saved_state(workdir)
     b, data_b = saved_state(reference)
@@ -52,13 +42,6 @@ def assert_bitwise_equal(workdir: Path, reference: Path) -> None:
     assert len(leaves_a) == len(leaves_b) > 10
     for x, y in zip(leaves_a, leaves_b, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def assert_one_row_per_step_and_kind(workdir: Path) -> None:
-    rows = read_metrics(str(workdir))
-    for kind in ("train/smoothed_kl", "eval/smoothed_kl"):
-        steps = [m["step"] for m in rows if kind in m]
-        assert steps and len(steps) == len(set(steps)), (kind, steps)
 
 
 @pytest.fixture(scope="module")
@@ -72,27 +55,11 @@ def reference(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A tmpfs mounted on ``tmp_path/run/checkpoints``: room for two checkpoints of the tiny
-    run (about 440 KB each), not three; ``grow()`` gives it room. Skips where mounting is not
-    permitted (not root, a container without CAP_SYS_ADMIN)."""
+    """``tmp_path/run/checkpoints`` on a tmpfs with room for two checkpoints of the tiny run
+    (about 440 KB each), not three: (the mount, ``grow()``)."""
     mount = tmp_path / "run" / "checkpoints"
-    mount.mkdir(parents=True)
-    name = f"f27-{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1100k", name, str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs for a real ENOSPC: {made.stderr.strip()}")
-
-    def grow():
-        subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
-
-    try:
+    with small_tmpfs(mount, "1100k") as grow:
         yield mount, grow
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes_bitwise(small_disk, reference):
@@ -115,14 +82,18 @@ def test_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes_bitwise(sma
         time.sleep(0.05)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-2000:] + err[-3000:]
+    line = err.strip().splitlines()[-1]
+    stopped = re.search(r"the run stopped at step (\d+);", line)
+    # Stopped at a step boundary after the failure, at the latest the next save's (12), not
+    # at the end of its 60 steps.
+    assert stopped and 9 < int(stopped[1]) <= 12, err[-3000:]
     expected = (
         f"error: saving checkpoint 9 in {mount} failed: No space left on device; the run "
-        "stopped; intact checkpoints: 3, 6; rerun to resume from step 6 (once the cause is "
-        "fixed)"
+        f"stopped at step {stopped[1]}; intact checkpoints: 3, 6; rerun to resume from step 6 "
+        "(once the cause is fixed)"
     )
-    assert err.strip().splitlines()[-1] == expected, err[-3000:]
+    assert line == expected, err[-3000:]
     assert "Traceback" not in err and "RESOURCE_EXHAUSTED" not in err, err[-3000:]
-    # Stopped at a step boundary soon after the failure, not at the end of its 60 steps.
     assert "final:" not in out
     assert max(int(n) for n in re.findall(r"(\d+)/60", err)) < 60, err[-3000:]
     assert sorted(os.listdir(mount)) == ["3", "6"]  # the partial 9.orbax-checkpoint-tmp is gone
@@ -137,6 +108,32 @@ def test_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes_bitwise(sma
     assert f"resumed from step 6 ({mount})" in done.stdout
     assert_bitwise_equal(workdir, reference)
     assert_one_row_per_step_and_kind(workdir)
+
+
+def test_a_failed_save_stops_the_run_at_a_step_boundary_before_the_next_save(small_disk):
+    """The failed save of step 600 stops the run at a step boundary before step 800, the next
+    save and log step: the loop asks at every step, not only where it saves or logs (which
+    would stop it at 800, having logged step 800's row). Steps take milliseconds and the
+    failure shows within about 50 of them (measured: 31), so 200 leave a wide margin."""
+    mount, _ = small_disk
+    workdir = mount.parent
+    every = dict(checkpoint_every=200, log_every=200)  # 200 and 400 fit, 600 does not
+    done = subprocess.run(
+        train_cmd(workdir, 2000, **{**FLAGS, **every}),
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    line = done.stderr.strip().splitlines()[-1]
+    stopped = re.search(r"the run stopped at step (\d+);", line)
+    assert stopped and 600 < int(stopped[1]) < 800, line
+    assert line.startswith(f"error: saving checkpoint 600 in {mount} failed: No space left")
+    assert line.endswith("intact checkpoints: 200, 400; rerun to resume from step 400 (once the "
+                         "cause is fixed)")  # fmt: skip
+    assert [m["step"] for m in read_metrics(str(workdir))] == [200, 400, 600]
+    assert sorted(os.listdir(mount)) == ["200", "400"]
 
 
 def test_a_damaged_newest_checkpoint_falls_back_loudly_and_restore_step_chooses(

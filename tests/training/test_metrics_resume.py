@@ -8,6 +8,7 @@ import calendar
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -160,6 +161,26 @@ def test_a_killed_run_resumed_keeps_one_metrics_row_per_step_and_the_lost_rows_a
     # The killed run's checkpoints are byte for byte what they were at the kill.
     for step, hashes in c["checkpoints"].items():
         assert _tree_hashes(workdir / "checkpoints" / str(step)) == hashes, step
+
+
+def test_a_rerun_of_a_finished_run_writes_no_second_row(crash_and_resume, tmp_path):
+    """The uninterrupted run, run again to the same step: nothing to train, the same final
+    line (evaluated again), and metrics.jsonl byte for byte as the finished run left it."""
+    workdir = tmp_path / "again"
+    shutil.copytree(crash_and_resume["reference"], workdir)
+    before = (workdir / "metrics.jsonl").read_bytes()
+    again = subprocess.run(
+        train_cmd(workdir, crash_and_resume["target"], **FLAGS),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    finals = [x for x in again.stdout.splitlines() if x.startswith("final: ")]
+    log = (crash_and_resume["reference"].parent / "reference.log").read_text()
+    assert finals == [x for x in log.splitlines() if x.startswith("final: ")]
+    assert (workdir / "metrics.jsonl").read_bytes() == before
 
 
 # ----------------------------------------------------------------------------- the pieces

@@ -19,9 +19,19 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from flaxformer_lite.core import sharding
+from flaxformer_lite.core.checkpoints import finished_steps
 from flaxformer_lite.training import run_lock
+from flaxformer_lite.training.metrics import read_metrics
 
-from helpers.runs import final_loss, free_port, run_train, saved_state
+from helpers.runs import (
+    assert_one_row_per_step_and_kind,
+    digests,
+    final_loss,
+    free_port,
+    run_train,
+    saved_state,
+)
+from helpers.small_disk import small_tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,10 +72,17 @@ TWO_PROCESS = [
 ]
 
 
-def start_two_processes(workdir: Path, *extra: str) -> list[subprocess.Popen]:
+def start_two_processes(
+    workdir: Path, *extra: str, prefixes: dict[int, list[str]] | None = None
+) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a 2-process run; ``prefixes``: a command to run process i in."""
     address = f"127.0.0.1:{free_port()}"
     flags = (f"--coordinator_address={address}", "--num_processes=2", *TWO_PROCESS, *extra)
-    return [run_train(workdir, *flags, f"--process_id={i}", wait=False) for i in range(2)]
+    prefixes = prefixes or {}
+    return [
+        run_train(workdir, *flags, f"--process_id={i}", wait=False, prefix=prefixes.get(i, ()))
+        for i in range(2)
+    ]
 
 
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
@@ -74,11 +91,14 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     try:
         return [p.communicate(timeout=max(deadline - time.time(), 1))[0] for p in procs]
     except subprocess.TimeoutExpired:
+        for p in procs:  # Python's faulthandler (run_train turns it on) prints every stack
+            p.send_signal(signal.SIGABRT)
+        time.sleep(3)
         for p in procs:
             p.kill()
         outs = [p.communicate()[0] for p in procs]
         raise AssertionError(
-            f"processes still running after {timeout} s:\n" + "\n".join(o[-2000:] for o in outs)
+            f"processes still running after {timeout} s:\n" + "\n".join(o[-6000:] for o in outs)
         ) from None
 
 
@@ -172,6 +192,109 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(two_process
     b, data_b = saved_state(workdir)
     assert int(a["step"]) == int(b["step"]) == TWO_PROCESS_STEPS and data_a == data_b
     assert_bitwise_equal(a, b)
+
+
+def assert_ends_as_the_uninterrupted_run(workdir: Path, two_processes) -> None:
+    a, data_a = saved_state(two_processes[0])
+    b, data_b = saved_state(workdir)
+    assert int(a["step"]) == int(b["step"]) == TWO_PROCESS_STEPS and data_a == data_b
+    assert_bitwise_equal(a, b)
+    assert_one_row_per_step_and_kind(workdir)
+
+
+def test_a_full_disk_stops_both_processes_at_one_step_and_the_rerun_resumes_bitwise(
+    two_processes, tmp_path
+):
+    """A tmpfs with room for checkpoints 6 and 12, not 18: both processes stop at the same
+    sync point after the failed save (log_every=3), each with the one line naming it, exit
+    status 1; 6 and 12 stay byte for byte, no partial step is left; 2 processes rerun from 12
+    and end bitwise where the uninterrupted run does."""
+    workdir = tmp_path / "full"
+    mount = workdir / "checkpoints"
+    with small_tmpfs(mount, "1100k") as grow:
+        procs = start_two_processes(workdir, "--config.num_train_steps=60")  # would go to 60
+        before, deadline = {}, time.time() + 300
+        while len(before) < 2 and time.time() < deadline:  # hash 6 and 12 once they exist
+            for step in finished_steps(mount):
+                if step in (6, 12) and step not in before:
+                    before[step] = digests(mount / str(step))
+            if any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.05)
+        outs = finish(procs, timeout=300)
+        lines = [out.strip().splitlines()[-1] for out in outs]
+        stopped = [re.search(r"the run stopped at step (\d+);", line) for line in lines]
+        assert all(stopped), "\n".join(out[-3000:] for out in outs)
+        step = int(stopped[0][1])
+        assert int(stopped[1][1]) == step and 18 < step < 60 and step % 3 == 0, lines
+        intact = "intact checkpoints: 6, 12; rerun to resume from step 12 (once the cause is fixed)"
+        assert lines[0] == (
+            f"error: saving checkpoint 18 in {mount} failed: No space left on device; the run "
+            f"stopped at step {step}; {intact}"
+        )
+        # Process 1 names the same checkpoint, or says that it failed on process 0.
+        assert lines[1].startswith("error: saving ") and lines[1].endswith(intact), lines[1]
+        for p, out in zip(procs, outs, strict=True):
+            assert p.returncode == 1, out[-3000:]
+            assert "Traceback" not in out and "RESOURCE_EXHAUSTED" not in out, out[-3000:]
+            assert "final:" not in out
+        assert sorted(os.listdir(mount)) == ["12", "6"]  # no 18.orbax-checkpoint-tmp
+        assert {s: digests(mount / str(s)) for s in (6, 12)} == before
+        # Rows up to the stop (the failure is not known before it); the rerun sets them aside.
+        assert max(m["step"] for m in read_metrics(str(workdir))) <= step
+
+        grow()
+        outs = run_two_processes(workdir)
+        assert f"resumed from step 12 ({mount})" in outs[0]
+        assert re.search(r"metrics: moved \d+ lines of steps 15-\d+ from ", outs[0]), outs[0][
+            -3000:
+        ]
+        assert_ends_as_the_uninterrupted_run(workdir, two_processes)
+
+
+def test_a_checkpoint_one_process_cannot_read_sends_both_back_to_the_same_step(
+    two_processes, tmp_path
+):
+    """Process 1 alone sees a truncated data file in checkpoint 24 (its own mount namespace
+    binds a cut copy over it, as a host with a bad local copy would; where that is not
+    permitted, the file itself is cut, for both): every process checks 24 before any
+    restores it, so both go back to 18, with one WARNING line, and end bitwise where the
+    uninterrupted run does."""
+    workdir = tmp_path / "damaged"
+    shutil.copytree(two_processes[0], workdir)
+    checkpoints = workdir / "checkpoints"
+    data_files = sorted((checkpoints / "24" / "state").rglob("ocdbt.process_*/d/*"))
+    damaged = max(data_files, key=lambda p: p.stat().st_size)
+    cut = tmp_path / "cut"
+    cut.write_bytes(damaged.read_bytes()[:1000])  # an interrupted copy: the first 1000 bytes
+    bind = ["mount", "--bind", str(cut), str(damaged)]
+    probe = subprocess.run(["unshare", "--mount", *bind], capture_output=True, text=True)
+    if probe.returncode == 0:
+        runs_in = ["unshare", "--mount", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && '
+                   'exec "$@"', "sh", str(cut), str(damaged)]  # fmt: skip
+        procs = start_two_processes(workdir, prefixes={1: runs_in})
+        unreadable = f"{checkpoints}/24: unreadable on process 1 of 2"
+    else:  # no mount namespace here: both processes meet the truncated file
+        os.truncate(damaged, 1000)
+        procs = start_two_processes(workdir)
+        unreadable = f"{damaged}: truncated ("
+    outs = finish(procs, timeout=300)
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+    lines = [x for x in outs[0].splitlines() if "checkpoint" in x]
+    assert lines[0].startswith(f"checkpoint 24 cannot be read: {unreadable}"), lines
+    set_aside = workdir / "checkpoints-set-aside"
+    assert lines[1] == (
+        "WARNING: resuming from step 18 (the newest readable checkpoint), not from step 24: "
+        f"steps 19-24 are trained again; checkpoints 24 moved to {set_aside}"
+    )
+    assert f"resumed from step 18 ({checkpoints})" in outs[0]
+    if probe.returncode == 0:  # 24 itself is intact, moved aside byte for byte
+        assert digests(set_aside / "24") == digests(two_processes[0] / "checkpoints" / "24")
+    else:  # the cut file moved aside with its step
+        assert (set_aside / "24" / damaged.relative_to(checkpoints / "24")).stat().st_size == 1000
+    assert_ends_as_the_uninterrupted_run(workdir, two_processes)
 
 
 def test_two_processes_refuse_together_on_a_workdir_a_live_run_holds(tmp_path):
