@@ -52,7 +52,7 @@ from flaxformer_lite.nn.config import TransformerConfig
 # frozen and hashable: one static argument for every decoding option).
 STATIC_ARGNAMES = ("config", "generation", "mesh", "rows")
 # What the jitted entry points take besides GenerationConfig field overrides.
-_JIT_KEYWORDS = ("generation", "mesh", "rows", "rng", "row_max_len")
+_JIT_KEYWORDS = ("generation", "mesh", "rows", "rng", "row_max_len", "left_padding")
 
 
 def init_cache(
@@ -109,12 +109,17 @@ def init_cache(
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _decoder_call(model: Any, params: Any, *context: Any, beam_size: int = 1):
+def _decoder_call(
+    model: Any, params: Any, *context: Any, beam_size: int = 1, left_padding: Any = None
+):
     """``tokens, cache -> (logits of the last position, new cache)`` through ``model.decode``
     with ``decode=True``; ``context`` goes before the tokens (encoder output and source for an
     EncoderDecoder, nothing for a DecoderOnly). Zero-length tokens only update the cache.
     ``beam_size > 1``: tokens are beam search's ``rows * beam_size`` hypotheses over a cache
-    that stays in place (``init_cache(beam_size=)``), ``context`` one row per source."""
+    that stays in place (``init_cache(beam_size=)``), ``context`` one row per source.
+    ``left_padding``: int `[rows]` (a DecoderOnly's left-padded prompts, one value per row the
+    call decodes), passed to every call (``models.Decoder``)."""
+    extra = {} if left_padding is None else {"left_padding": left_padding}
 
     def call(tokens: jax.Array, cache: Any) -> tuple[jax.Array | None, Any]:
         logits, updated = model.apply(
@@ -128,6 +133,7 @@ def _decoder_call(model: Any, params: Any, *context: Any, beam_size: int = 1):
             beam_size=beam_size,
             mutable=["cache"],
             method=model.decode,
+            **extra,
         )
         return (logits[:, -1] if tokens.shape[1] else None), updated["cache"]
 
@@ -486,6 +492,26 @@ def generate_jit(
     return _unpad((tokens, scores), rows, mesh)
 
 
+def prompt_context(
+    prompt: jax.Array, left_padding: jax.Array | None, config: TransformerConfig, bos: bool
+) -> jax.Array:
+    """What the decoder reads before generating: the prompt `[batch, prompt_len]`, or with
+    ``bos`` `[batch, prompt_len + 1]`: ``config.bos_id`` just before each row's first real
+    token (a left-padded row, ``left_padding`` int `[batch]` pads: its pads, BOS, its ids)."""
+    prompt = prompt.astype(jnp.int32)
+    if not bos:
+        return prompt
+    batch = prompt.shape[0]
+    context = jnp.concatenate([jnp.full((batch, 1), config.bos_id, jnp.int32), prompt], axis=1)
+    if left_padding is None:
+        return context
+    # Left-padded rows: the pad ids shift one column right; BOS lands where the first real
+    # token was, just before it.
+    shifted = jnp.concatenate([prompt[:, :1], prompt], axis=1)
+    column = jnp.arange(context.shape[1])[None, :]
+    return jnp.where(column == left_padding[:, None], config.bos_id, shifted)
+
+
 @_OptionsJit
 def continue_prompt_jit(
     params: Any,
@@ -496,32 +522,46 @@ def continue_prompt_jit(
     mesh: Mesh,
     rows: int | None = None,
     rng: jax.Array | None = None,
+    left_padding: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The one jitted call of :func:`continue_prompt` (see :func:`generate_jit`)."""
+    """The one jitted call of :func:`continue_prompt` (see :func:`generate_jit`);
+    ``left_padding`` int `[padded_rows]`: each row's left pads (None: none)."""
     params = _constrain_params(params, DecoderOnly, config, mesh)
     prompt = jax.lax.with_sharding_constraint(prompt, sharding.batch_sharding(mesh))
+    if left_padding is not None:
+        left_padding = jax.lax.with_sharding_constraint(
+            left_padding.astype(jnp.int32), sharding.batch_sharding(mesh)
+        )
     params, config = unrolled(params, config)
     model = DecoderOnly(config)
     batch_size, prompt_len = prompt.shape
     max_len = generation.decode_len(config, prompt_len=prompt_len)
     method, beam_size = generation.method, generation.beam_size
-    bos = jnp.full((batch_size, 1), config.bos_id, jnp.int32)
-    context = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)
+    context = prompt_context(prompt, left_padding, config, generation.prepend_bos)
     with (
         jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
         nn.logical_axis_rules(sharding.LOGICAL_RULES),
     ):
         cache = _constrain_cache(
-            init_cache(model, params, batch_size, prompt_len + 1 + max_len), mesh
+            init_cache(model, params, batch_size, context.shape[1] + max_len), mesh
         )
-        step = _sharded_step(_decoder_call(model, params), mesh)
+        step = _sharded_step(_decoder_call(model, params, left_padding=left_padding), mesh)
         _, cache = step(context[:, :-1], cache)  # prefill the prompt
         in_place = method == "beam" and generation.beam_cache == "in_place" and beam_size > 1
+        # Beam search decodes batch * beam_size rows, each with its source's padding.
+        beam_padding = left_padding
+        if left_padding is not None and method == "beam":
+            beam_padding = search.expand_to_beams(left_padding, beam_size)
+            if not in_place:
+                step = _sharded_step(_decoder_call(model, params, left_padding=beam_padding), mesh)
         if in_place:
             # The prompt was written once per row; its beams start as copies of it. A
             # zero-length call adds the beams' ancestry (zeros: every slot from beam 0).
             cache = _constrain_cache(search.expand_to_beams(cache, beam_size), mesh)
-            step = _sharded_step(_decoder_call(model, params, beam_size=beam_size), mesh)
+            step = _sharded_step(
+                _decoder_call(model, params, beam_size=beam_size, left_padding=beam_padding),
+                mesh,
+            )
             _, cache = step(jnp.zeros((batch_size * beam_size, 0), jnp.int32), cache)
         tokens, scores = _search(
             generation,
@@ -536,6 +576,40 @@ def continue_prompt_jit(
             reorder_cache=models.reorder_beam_cache if in_place else None,
         )
     return _unpad((tokens, scores), rows, mesh)
+
+
+def left_padding_of(prompt_mask: Any, prompt_shape: tuple[int, ...]) -> np.ndarray:
+    """int32 `[batch]`: the pads at the start of each row of a left-padded prompt, from its
+    attention mask `[batch, prompt_len]` (1 or True on real tokens; Hugging Face's
+    ``attention_mask`` of a tokenizer with ``padding_side="left"``).
+
+    Raises:
+      ValueError: ``prompt_mask`` is not the prompt's shape, holds other values than 0/1, or
+        a row is not left-padded (a 1 before a 0) or has no real token.
+    """
+    mask = np.asarray(prompt_mask)
+    if mask.shape != tuple(prompt_shape):
+        raise ValueError(
+            f"prompt_mask must have the prompt's shape {tuple(prompt_shape)}; got {mask.shape}"
+        )
+    if mask.dtype != np.bool_:
+        if not np.issubdtype(mask.dtype, np.integer) or not np.isin(mask, (0, 1)).all():
+            raise ValueError("prompt_mask must hold 0/1 (or bools): 1 on real tokens, 0 on pads")
+        mask = mask.astype(bool)
+    real = mask.sum(axis=1)
+    if mask.size and (real == 0).any():
+        raise ValueError(
+            f"prompt_mask rows {np.flatnonzero(real == 0).tolist()} have no real token"
+        )
+    pads = mask.shape[1] - real
+    left_padded = mask == (np.arange(mask.shape[1])[None, :] >= pads[:, None])
+    if not left_padded.all():
+        raise ValueError(
+            f"prompt_mask rows {np.flatnonzero(~left_padded.all(axis=1)).tolist()} are not "
+            "left-padded (pads, then real tokens): pad prompts on the left (a Hugging Face "
+            "tokenizer's padding_side='left')"
+        )
+    return pads.astype(np.int32)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -628,19 +702,29 @@ def continue_prompt(
     *,
     mesh: Mesh | None = None,
     rng: jax.Array | None = None,
+    prompt_mask: Any = None,
     **overrides: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """Continues prompts with a ``DecoderOnly`` language model.
 
-    prompt: int `[batch, prompt_len]` without padding (BOS is prepended here). The prompt is
-    written into the cache in one call (prefill); then up to ``max_len`` tokens are generated
-    (None: as many as ``config.max_len`` leaves after BOS and the prompt; "source" does not
-    apply). ``generation``, ``mesh``, ``rng`` and ``overrides`` as in :func:`generate`.
+    prompt: int `[batch, prompt_len]`; without ``prompt_mask`` every id is real. BOS is
+    prepended here unless ``generation.prepend_bos`` is False (Hugging Face's ``generate``:
+    the ids as given, its tokenizer having added BOS). The prompt is written into the cache
+    in one call (prefill); then up to ``max_len`` tokens are generated (None: as many as
+    ``config.max_len`` leaves after BOS and the prompt; "source" does not apply).
+    prompt_mask: None, or the attention mask `[batch, prompt_len]` of left-padded prompts (1
+    on real ids, 0 on the pads before them; a Hugging Face tokenizer's ``padding_side=
+    "left"``): the pads are hidden from every query and each row's positions count its real
+    tokens only (``cumsum(mask) - 1``, as transformers' generate), so a row continues as it
+    would alone. ``generation``, ``mesh``, ``rng`` and ``overrides`` as in :func:`generate`.
     Returns the continuation `[batch, max_len]` and scores `[batch]`.
 
     Raises:
       ValueError: BOS + prompt + ``max_len`` new tokens exceed ``config.max_len`` (the cache
-        and positions), or the arguments of :func:`generate` are wrong (before tracing).
+        and positions), an empty prompt without BOS, a ``prompt_mask`` that is not a
+        left-padding mask of the prompt's shape (named), a ``prompt_mask`` with a
+        sliding-window model (``attention_window``), or the arguments of :func:`generate`
+        are wrong (before tracing).
     """
     generation = resolve(generation, overrides)
     if not hasattr(prompt, "shape"):  # nested lists
@@ -648,9 +732,25 @@ def continue_prompt(
     # A prompt of another rank: place_rows below names the argument.
     prompt_len = int(prompt.shape[1]) if len(prompt.shape) == 2 else 0
     generation.checked_for(config, prompt_len=prompt_len)
+    if len(prompt.shape) == 2 and not generation.prepend_bos and prompt_len == 0:
+        raise ValueError(
+            "prompt has no tokens and prepend_bos=False: give at least one id per row "
+            "(e.g. the tokenizer's BOS), or prepend_bos=True"
+        )
+    left_padding = None
+    if prompt_mask is not None:
+        if config.self_attention_window("decoder") is not None:
+            raise ValueError(
+                "prompt_mask (left-padded prompts) needs the full key/value cache; "
+                f"TransformerConfig.attention_window={config.attention_window} decodes from "
+                "a ring buffer: continue unpadded prompts instead"
+            )
+        left_padding = left_padding_of(prompt_mask, tuple(prompt.shape))
     mesh = default_mesh() if mesh is None else mesh
     rng = _checked_rng(generation, rng, mesh)
     prompt, rows = place_rows(prompt, mesh, "prompt")
+    if left_padding is not None:  # split and padded (copies of row 0) like the prompt rows
+        left_padding = place_rows(left_padding[:, None], mesh, "prompt_mask")[0][:, 0]
     return continue_prompt_jit(
         place_params(params, DecoderOnly, config, mesh),
         config,
@@ -659,4 +759,5 @@ def continue_prompt(
         mesh=mesh,
         rows=rows,
         rng=rng,
+        left_padding=left_padding,
     )

@@ -65,32 +65,41 @@ def source_limit(source_len: Any, cap: int) -> Any:
     return limit.clip(1, cap)
 
 
-def check_decode_len(config: TransformerConfig, max_len: Any, prompt_len: int | None = None) -> int:
+def check_decode_len(
+    config: TransformerConfig, max_len: Any, prompt_len: int | None = None, *, bos: bool = True
+) -> int:
     """The number of tokens to generate, checked against the model's positions.
 
     ``prompt_len`` None (an EncoderDecoder): the decoder reads BOS and every generated token
     but the last, so ``max_len`` may be up to ``TransformerConfig.max_len``; None = that.
     ``prompt_len`` an int (a DecoderOnly continuing a prompt): the cache holds BOS, the prompt
     and the new tokens, so ``prompt_len + 1 + max_len`` must not exceed
-    ``TransformerConfig.max_len``; None = all the positions left.
+    ``TransformerConfig.max_len``; None = all the positions left. ``bos=False``: the prompt is
+    taken as it is (``GenerationConfig.prepend_bos=False``), ``prompt_len + max_len`` then.
 
     Raises:
       ValueError: ``max_len`` is not a positive int, or the request does not fit (the
         message names the argument and the largest value that fits).
     """
-    limit = config.max_len if prompt_len is None else config.max_len - prompt_len - 1
+    extra = 1 if bos else 0
+    limit = config.max_len if prompt_len is None else config.max_len - prompt_len - extra
+    head = "BOS + prompt" if bos else "prompt"
     if prompt_len is not None and limit < 1:
         raise ValueError(
-            f"prompt of {prompt_len} tokens leaves no room to generate: BOS + prompt + new "
+            f"prompt of {prompt_len} tokens leaves no room to generate: {head} + new "
             f"tokens must fit the model's TransformerConfig.max_len={config.max_len}, so the "
-            f"prompt may have at most {config.max_len - 2} tokens"
+            f"prompt may have at most {config.max_len - 1 - extra} tokens"
         )
     if max_len is None:
         return limit
     if isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 1:
         raise ValueError(f"max_len must be a positive int or None; got {max_len!r}")
     if max_len > limit:
-        where = "" if prompt_len is None else f" after BOS and a {prompt_len}-token prompt"
+        where = (
+            ""
+            if prompt_len is None
+            else f" after {'BOS and ' if bos else ''}a {prompt_len}-token prompt"
+        )
         raise ValueError(
             f"max_len={max_len} new tokens do not fit the model's positions{where} "
             f"(TransformerConfig.max_len={config.max_len}): give max_len <= {limit}"
@@ -169,6 +178,10 @@ class GenerationConfig:
         ``forced_eos_token_id``, on in Marian configs).
       banned_ids: ids never generated (single-token ``bad_words_ids``, e.g. opus-mt's PAD);
         stored as a sorted tuple of distinct ints.
+      prepend_bos: ``continue_prompt`` puts the model's ``bos_id`` before each prompt (True,
+        how ``DecoderOnly`` is trained on data without BOS) or feeds the prompt ids as they
+        are (False: Hugging Face's ``generate``, whose tokenizers add BOS themselves;
+        :meth:`from_hugging_face` sets it). ``generate`` (an EncoderDecoder) ignores it.
       forced_bos_id: every row's first generated token is this id (Hugging Face's
         ``forced_bos_token_id``: ``<s>`` in bart-large, the target language code in mBART-50;
         in beam search it costs 0); None: no token forced. Sources only (``generate``), not
@@ -188,6 +201,7 @@ class GenerationConfig:
     top_p: float = 1.0
     forced_eos: bool = False
     banned_ids: tuple[int, ...] = ()
+    prepend_bos: bool = True
     forced_bos_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -251,6 +265,7 @@ class GenerationConfig:
                 f"banned_ids must be a sequence of token ids (ints >= 0); got {self.banned_ids!r}"
             )
         store("banned_ids", ids)
+        _check_bool("prepend_bos", self.prepend_bos)
         if self.forced_bos_id is not None:
             if not _is_int(self.forced_bos_id) or self.forced_bos_id < 0:
                 raise ValueError(
@@ -279,7 +294,7 @@ class GenerationConfig:
                     "continuation has none: give an int or None"
                 )
         else:
-            check_decode_len(model_config, self.max_len, prompt_len)
+            check_decode_len(model_config, self.max_len, prompt_len, bos=self.prepend_bos)
         vocab = model_config.output_vocab_size
         if self.forced_bos_id is not None:
             if prompt_len is not None:
@@ -319,7 +334,7 @@ class GenerationConfig:
             a ``source_len``.
         """
         if self.max_len != SOURCE:
-            return check_decode_len(model_config, self.max_len, prompt_len)
+            return check_decode_len(model_config, self.max_len, prompt_len, bos=self.prepend_bos)
         if source_len is None or prompt_len is not None:
             raise ValueError(
                 f"max_len={SOURCE!r} derives each row's limit from its source length: "
@@ -430,7 +445,8 @@ class GenerationConfig:
         ``forced_bos_token_id`` when set; ``max_new_tokens``, else ``max_length`` - 1,
         else 20 tokens for every row (:func:`hf_generation.generate_new_tokens`); EOS forced at
         the limit when ``forced_eos_token_id`` is the model's EOS; the single-token
-        ``bad_words_ids`` banned; ``renormalize_logits``. A folder is read as transformers
+        ``bad_words_ids`` banned; ``renormalize_logits``; prompts fed as they are
+        (``prepend_bos=False``). A folder is read as transformers
         reads it: ``generation_config.json``, else the generation fields of ``config.json``.
 
         Raises:
@@ -464,6 +480,7 @@ class GenerationConfig:
             renormalize=bool(defaults.get("renormalize_logits", False)),
             forced_eos=defaults.get("forced_eos_token_id") == model_config.eos_id,
             banned_ids=tuple(sorted(single - {model_config.eos_id})),
+            prepend_bos=False,  # generate() feeds the ids it is given (tokenizers add BOS)
             forced_bos_id=defaults.get("forced_bos_token_id"),
         ).checked_for(model_config)
 

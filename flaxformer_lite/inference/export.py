@@ -312,12 +312,25 @@ def _is_hf_dir(root: Any) -> bool:
     return (root / "config.json").is_file() and not (root / "model_config.json").is_file()
 
 
+def _is_decoder_only_hf_dir(root: Any) -> bool:
+    """A Hugging Face folder of a decoder-only family (``interop.llama``): exported as a
+    prompt-continuation artifact (``export_lm``)."""
+    if not _is_hf_dir(root):
+        return False
+    from flaxformer_lite.interop import hf
+
+    model_type = json.loads((root / "config.json").read_text()).get("model_type")
+    return model_type in hf.FAMILIES and hf.FAMILIES[model_type].DECODER_ONLY
+
+
 def export_workdir(workdir: str, out_dir: str, **options: Any) -> dict[str, Any]:
     """:func:`export_translator` of ``Translator.from_pretrained(workdir)``: a ``train.py``
     workdir (latest checkpoint, decoding as its Translator: the run's beam size, alpha and
     search options) or a Hugging Face Marian folder (decoding as ``MarianMTModel.generate``
     with the folder's generation config); explicit ``options`` (GenerationConfig fields,
-    ``batch_size``, ``platforms``, ``source``) win.
+    ``batch_size``, ``platforms``, ``source``) win. A Hugging Face folder of a decoder-only
+    family (Llama) becomes a prompt-continuation artifact instead
+    (``export_lm.export_hf_folder``; ``max_len`` then counts new tokens).
 
     Raises:
       FileNotFoundError: ``workdir`` does not exist, or lacks the model, weights or
@@ -330,6 +343,10 @@ def export_workdir(workdir: str, out_dir: str, **options: Any) -> dict[str, Any]
             f"workdir {workdir} does not exist; give a train.py workdir or a Hugging Face "
             "Marian folder"
         )
+    if _is_decoder_only_hf_dir(root):  # a prompt-continuation artifact (Llama)
+        from flaxformer_lite.inference import export_lm
+
+        return export_lm.export_hf_folder(workdir, out_dir, **options)
     vocabulary_files(workdir)  # before the weights are read
     if _is_hf_dir(root):
         options.setdefault("source", str(root))
@@ -343,7 +360,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Export a translation model as a jax.export serving artifact.",
     )
     parser.add_argument(
-        "--workdir", required=True, help="train.py workdir or Hugging Face Marian folder"
+        "--workdir",
+        required=True,
+        help="train.py workdir, Hugging Face Marian folder, or Hugging Face Llama folder "
+        "(a prompt-continuation artifact)",
     )
     parser.add_argument("--out", required=True, help="output folder (local)")
     parser.add_argument(
@@ -403,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {manifest['method']} translation of {args.workdir} to {args.out}")
+    what = "continuation" if manifest.get("kind") == "lm" else "translation"
+    print(f"exported {manifest['method']} {what} of {args.workdir} to {args.out}")
     return 0
 
 

@@ -4,10 +4,10 @@
     save_pretrained("out/", config, params, tokenizer)  # transformers / CTranslate2 read it
 
 ``load_pretrained`` reads ``config.json``'s ``model_type`` and hands the folder to that
-family's module beside this one (``FAMILIES``: ``marian``, ``bart`` for BART and mBART, ...),
-which knows the family's config fields, its parameter names (as ``naming.Tensor`` rows: one
-map read both ways) and its tokenizer. ``save_pretrained`` writes a config as the one family
-that can express it (or the ``model_type`` asked for).
+family's module beside this one (``FAMILIES``: ``marian``, ``bart`` for BART and mBART,
+``llama``, ...), which knows the family's config fields, its parameter names (as
+``naming.Tensor`` rows: one map read both ways) and its tokenizer. ``save_pretrained`` writes a
+config as the one family that can express it (or the ``model_type`` asked for).
 
 Reading needs neither torch nor transformers: ``config.json`` is JSON, ``model.safetensors``
 reads into NumPy (a ``pytorch_model.bin`` needs torch).
@@ -37,7 +37,7 @@ from flaxformer_lite.decoding.hf_generation import (  # noqa: F401  (defined her
     generation_defaults,
     unsupported_generation,
 )
-from flaxformer_lite.interop import bart, marian
+from flaxformer_lite.interop import bart, llama, marian
 from flaxformer_lite.interop.marian import (  # noqa: F401  (defined here before)
     FROM_HF_ACTIVATION,
     TO_HF_ACTIVATION,
@@ -51,7 +51,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 # params_from_state_dict(state, config), state_dict_from_params(plain params, config),
 # generation_ids(config) and default_generation(config) (generation_config.json's special ids,
 # and its content when none is given), load_tokenizer(root) -> tokenizer | None.
-FAMILY_MODULES: tuple[ModuleType, ...] = (marian, bart)
+FAMILY_MODULES: tuple[ModuleType, ...] = (marian, bart, llama)
 FAMILIES: dict[str, ModuleType] = {t: f for f in FAMILY_MODULES for t in f.MODEL_TYPES}
 
 Params = dict[str, Any]
@@ -365,7 +365,9 @@ def export_workdir(
     dequantize: bool = False,
 ) -> TransformerConfig:
     """Writes a train.py workdir (e.g. a Marian model fine-tuned with
-    configs/finetune_marian.py) as a Hugging Face Marian folder: its ``model_config.json``, the
+    configs/finetune_marian.py) as a Hugging Face folder of the family that can express its
+    model (an EncoderDecoder, or a DecoderOnly for a ``DECODER_ONLY`` family such as Llama):
+    its ``model_config.json``, the
     parameters of checkpoint ``step`` (default the latest; ``average`` > 1: the mean of that
     many last checkpoints) and, when the workdir holds them, its Marian tokenizer and the
     ``generation_config.json`` of the folder it was fine-tuned from (every field kept).
@@ -373,7 +375,7 @@ def export_workdir(
 
     Raises:
       FileNotFoundError: no workdir, model_config.json or checkpoint.
-      ValueError: the model is not a Marian architecture, or int8 without ``dequantize``, or
+      ValueError: no family can write the model, or int8 without ``dequantize``, or
         int8 with ``average`` > 1 (the differing fields are named).
     """
     from flaxformer_lite.core.checkpoints import average_params, choose_steps
@@ -393,7 +395,8 @@ def export_workdir(
         )
     checkpoints = str(root / "checkpoints")
     steps = choose_steps(checkpoints, step=step, average=average)
-    params = average_params(checkpoints, steps, abstract_params(config))
+    shapes = abstract_params(config, decoder_only=family.DECODER_ONLY)
+    params = average_params(checkpoints, steps, shapes)
     # A run fine-tuned from a Hugging Face folder keeps that folder's generation config
     # (train.py copies it into the workdir): the export decodes as the original did.
     generation_path = root / "generation_config.json"
@@ -407,13 +410,13 @@ def export_workdir(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m flaxformer_lite.interop.hf --workdir W --out DIR``: a workdir to a Hugging Face
-    Marian folder (then ``ct2-transformers-converter --model DIR`` for CTranslate2)."""
+    folder of its family (then ``ct2-transformers-converter --model DIR`` for CTranslate2)."""
     import argparse
     import sys
 
     parser = argparse.ArgumentParser(
         prog="python -m flaxformer_lite.interop.hf",
-        description="Write a train.py workdir as a Hugging Face Marian model folder.",
+        description="Write a train.py workdir as a Hugging Face model folder (Marian, Llama).",
     )
     parser.add_argument("--workdir", required=True, help="train.py workdir (local or gs://)")
     parser.add_argument("--out", required=True, help="output folder (local or gs://)")
@@ -438,11 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"wrote {out}: {family_for(config, dequantize=args.dequantize).NAME} model, "
-        f"vocabulary {config.vocab_size}, "
-        f"{config.num_encoder_layers}+{config.num_decoder_layers} layers"
+    family = family_for(config, dequantize=args.dequantize)
+    layers = (
+        f"{config.num_decoder_layers} decoder layers"
+        if family.DECODER_ONLY
+        else f"{config.num_encoder_layers}+{config.num_decoder_layers} layers"
     )
+    print(f"wrote {out}: {family.NAME} model, vocabulary {config.vocab_size}, {layers}")
     return 0
 
 

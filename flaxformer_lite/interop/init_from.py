@@ -44,6 +44,9 @@ ARCHITECTURE_FIELDS = (
     " share_embeddings tie_output_embedding logits_bias use_bias fused_qkv num_classes pooling"
     " num_experts num_experts_per_token moe_every attention_window attention_window_layers"
     " relative_num_buckets relative_max_distance head_dim quantization"
+    # Llama family (interop/llama.py).
+    " rope_theta rope_scaling_factor rope_low_freq_factor rope_high_freq_factor"
+    " rope_original_max_len qkv_bias"
     " learned_position_offset embedding_norm"  # BART / mBART
 ).split()
 # Fields of training, storage or execution: the same parameters compute the same function
@@ -66,8 +69,8 @@ def is_workdir(source: str) -> bool:
 
 
 def pretrained_config(source: str) -> TransformerConfig:
-    """The ``TransformerConfig`` of a train.py workdir or a Hugging Face Marian folder / hub
-    id, without reading its weights."""
+    """The ``TransformerConfig`` of a train.py workdir or a Hugging Face folder / hub id of a
+    supported family (Marian, Llama), without reading its weights."""
     if is_workdir(source):
         root = paths.resolve(source)
         return TransformerConfig.from_json((root / "model_config.json").read_text())
@@ -97,7 +100,7 @@ def generation_config(source: str) -> dict[str, Any] | None:
 
 def pretrained_params(source: str) -> dict[str, Any]:
     """The parameters (plain nested dicts, unrolled layers) of ``source``: a workdir's latest
-    checkpoint, or a Hugging Face Marian model."""
+    checkpoint, or a Hugging Face model of a supported family."""
     if is_workdir(source):
         from flaxformer_lite.core.checkpoints import average_params, choose_steps
         from flaxformer_lite.models import abstract_params, unrolled
@@ -113,15 +116,20 @@ def pretrained_params(source: str) -> dict[str, Any]:
 
 def pretrained_model(source: str) -> str:
     """The model class a pretrained ``source`` trained: ``"DecoderOnly"`` for a language-model
-    workdir, ``"EncoderClassifier"`` for a classification one, else ``"EncoderDecoder"``
-    (translation and synthetic workdirs, Hugging Face Marian)."""
+    workdir or a Hugging Face decoder-only family (Llama), ``"EncoderClassifier"`` for a
+    classification workdir, else ``"EncoderDecoder"`` (translation and synthetic workdirs,
+    Hugging Face Marian)."""
     if is_workdir(source):
         run = paths.resolve(source) / "config.json"
         task = json.loads(run.read_text()).get("task") if run.is_file() else None
         return {"lm": "DecoderOnly", "classification": "EncoderClassifier"}.get(
             task, "EncoderDecoder"
         )
-    return "EncoderDecoder"
+    from flaxformer_lite.interop import hf
+
+    root = hf.resolve(source)
+    family = hf.family_of(json.loads((root / "config.json").read_text()))
+    return "DecoderOnly" if family.DECODER_ONLY else "EncoderDecoder"
 
 
 def same_architecture(a: TransformerConfig, b: TransformerConfig) -> bool:

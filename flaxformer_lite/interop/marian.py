@@ -154,7 +154,9 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 #   attention_implementation, remat, scan_layers, num_classes, pooling, unk_id (the
 #   vocabulary's), num_experts_per_token, expert_capacity_factor, moe_aux_loss_weight,
 #   router_z_loss_weight, attention_window_layers, relative_num_buckets,
-#   relative_max_distance.
+#   relative_max_distance; the Llama family's rope_theta, rope_scaling_factor,
+#   rope_low_freq_factor, rope_high_freq_factor, rope_original_max_len (rotary only, which
+#   is refused) and qkv_bias (inert: Marian has use_bias=True).
 MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; MarianConfig has no field
 
 

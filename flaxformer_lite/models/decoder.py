@@ -107,14 +107,29 @@ class Decoder(nn.Module):
         decode: bool = False,
         check_cache: bool = True,
         beam_size: int = 1,
+        left_padding: Array | None = None,
     ) -> Array:
         """targets_valid: bool `[b, t]`, the positions whose target is real; mixture-of-experts
         layers route only those (capacity and auxiliary losses count real tokens only), so
-        padding changes nothing at the real positions. None: every position is real."""
+        padding changes nothing at the real positions. None: every position is real.
+
+        left_padding (``decode=True`` only): int `[b]`, the pad slots each row's left-padded
+        prompt starts with: they are hidden from every query, and cache slot s is position
+        ``s - left_padding`` (``MultiHeadAttention``); pass the same values on every call
+        that uses the cache."""
         cfg = self.config
         _check_decode_options(cfg, decode=decode, beam_size=beam_size)
+        if left_padding is not None and not decode:
+            raise ValueError(
+                "left_padding applies to cached decoding (decode=True); without a cache pass "
+                "decoder_positions and a segmentation (models.tokens.positions_from_mask)"
+            )
+        embed_positions = None
         if decode:
             initialized, start, positions = self._decode_positions(decoder_inputs)
+            if left_padding is not None:
+                shift = left_padding.astype(positions.dtype)[:, None]
+                embed_positions = jnp.maximum(positions - shift, 0)
             self_mask = None  # each attention layer builds its causal mask over the cache
         else:
             positions = (
@@ -136,7 +151,9 @@ class Decoder(nn.Module):
 
         x = constrain_residual(
             Embedder(cfg, self.embedding, name="embedder")(
-                decoder_inputs, positions, deterministic=deterministic
+                decoder_inputs,
+                positions if embed_positions is None else embed_positions,
+                deterministic=deterministic,
             )
         )
         shared = [encoded, self_mask, cross_mask, positions]
@@ -154,6 +171,8 @@ class Decoder(nn.Module):
             shared += [None] * (5 - len(shared)) + [ancestors]  # after the (absent) bias
         if targets_valid is not None and cfg.num_experts > 0:  # DecoderLayer's ``valid``
             shared += [None] * (6 - len(shared)) + [targets_valid]
+        if left_padding is not None:  # DecoderLayer's ``left_padding``
+            shared += [None] * (7 - len(shared)) + [left_padding]
         x = layer_stack(
             lambda name, i: DecoderLayer(
                 cfg,

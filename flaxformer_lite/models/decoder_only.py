@@ -40,9 +40,15 @@ class DecoderOnly(nn.Module):
         decode: bool = False,
         check_cache: bool = True,
         beam_size: int = 1,
+        left_padding: Array | None = None,
     ) -> Array:
         """Logits from *shifted* inputs `[batch, length]`; ``decode=True`` uses the cache
-        (``check_cache``, ``beam_size`` and ``targets_valid`` as in ``EncoderDecoder.decode``)."""
+        (``check_cache``, ``beam_size`` and ``targets_valid`` as in ``EncoderDecoder.decode``;
+        ``left_padding`` int `[batch]` for left-padded prompts, see ``Decoder``).
+
+        Hugging Face's causal LMs take their inputs this way: ``decode(input_ids)`` (BOS
+        included, as their tokenizers add it) gives their logits; with an attention mask,
+        ``decoder_positions`` and ``segmentation`` from ``tokens.positions_from_mask``."""
         check_tokens("decoder_inputs", decoder_inputs, self.config)
         return self.decoder(
             None,
@@ -55,6 +61,7 @@ class DecoderOnly(nn.Module):
             decode=decode,
             check_cache=check_cache,
             beam_size=beam_size,
+            left_padding=left_padding,
         )
 
     def __call__(

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.models.decoder_only import DecoderOnly
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
 from flaxformer_lite.nn.config import TransformerConfig
 
@@ -72,11 +73,15 @@ def param_path(path: tuple) -> str:
     return "/".join(str(k.key) for k in path if hasattr(k, "key"))
 
 
-def abstract_params(config: TransformerConfig) -> Any:
-    """Shapes and dtypes (``jax.ShapeDtypeStruct``) of an EncoderDecoder's parameters."""
-    model = EncoderDecoder(config)
+def abstract_params(config: TransformerConfig, *, decoder_only: bool = False) -> Any:
+    """Shapes and dtypes (``jax.ShapeDtypeStruct``) of an EncoderDecoder's parameters, or a
+    DecoderOnly's with ``decoder_only``."""
     tokens = jnp.ones((1, 1), jnp.int32)
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, tokens))
+    if decoder_only:
+        model, args = DecoderOnly(config), (tokens,)
+    else:
+        model, args = EncoderDecoder(config), (tokens, tokens)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))
     return nn.meta.unbox(variables["params"])
 
 

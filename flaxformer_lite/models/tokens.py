@@ -42,3 +42,17 @@ def shift_right(targets: Array, bos_id: int, positions: Array | None = None) -> 
 def default_positions(tokens: Array) -> Array:
     """0 .. length - 1 in every row: int `[batch, length]` for tokens `[batch, length]`."""
     return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+
+def positions_from_mask(attention_mask: Array) -> tuple[Array, Array]:
+    """Positions and segmentation of a padded batch given as Hugging Face does: an attention
+    mask `[batch, length]` (1 real, 0 pad; left- or right-padded).
+
+    Returns int32 ``(positions, segmentation)`` `[batch, length]`: positions count the real
+    tokens before each one (``cumsum(mask) - 1``, as transformers' generate computes them;
+    0 on padding) and the segmentation is the mask itself (pad queries see no key, real ones
+    no pad key): ``DecoderOnly.decode(ids, decoder_positions=..., segmentation=...)``.
+    """
+    mask = jnp.asarray(attention_mask).astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
+    return positions.astype(jnp.int32), mask

@@ -81,6 +81,11 @@ class MultiHeadAttention(nn.Module):
     ``FusedQKVProjection`` (parameters under "qkv" instead of "query"/"key"/"value");
     cross-attention always keeps its separate projections.
 
+    ``rope_theta`` / ``rope_scaling``: the rotary frequencies (``TransformerConfig``'s; both
+    None: ``positions.rotary``'s own, else ``positions.rope_inv_freq``).
+    ``qkv_bias``: biases on the query, key and value projections (None: ``use_bias``; the
+    output projection follows ``use_bias`` alone).
+
     ``quantization="int8"``: every projection holds an int8 kernel and its per-output-channel
     scales (``quantize.quantize_params``) and multiplies in int8 (``quantize.int8_matmul``).
     """
@@ -98,6 +103,9 @@ class MultiHeadAttention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     quantization: str | None = None
+    rope_theta: float | None = None
+    rope_scaling: tuple[float, float, float, int] | None = None
+    qkv_bias: bool | None = None
 
     @nn.compact
     def __call__(
@@ -114,6 +122,7 @@ class MultiHeadAttention(nn.Module):
         check_cache: bool = True,
         beam_size: int = 1,
         beam_ancestors: Array | None = None,
+        left_padding: Array | None = None,
     ) -> Array:
         """Returns `[batch, q_len, features]`.
 
@@ -135,14 +144,33 @@ class MultiHeadAttention(nn.Module):
         ring's plus ``q_len`` for a sliding window) attends, for each row, over the keys of
         every beam of its source masked to the row's history, so the cache is never reordered;
         without it, each row attends over its own cache row (the reordering search).
+
+        left_padding (``decode=True`` self-attention over the full cache only): int `[batch]`,
+        how many slots each row's left-padded prompt starts with. Those slots are hidden from
+        every query and slot s is rotated as position ``s - left_padding`` (what Hugging
+        Face's generate does with an attention mask: positions ``cumsum(mask) - 1``), while
+        ``positions_q`` still names the slots written.
         """
         self_attention = inputs_kv is None and not self.cross_attention
-        if self_attention:
+        if left_padding is not None:
+            if not (decode and self_attention):
+                raise ValueError(
+                    "left_padding applies to decode=True self-attention (a left-padded prompt "
+                    "in the key/value cache); without a cache pass positions and a mask"
+                )
+            if positions_q is None:
+                raise ValueError("decode=True self-attention needs positions_q `[batch, q_len]`")
+            rotary_positions = positions_q - left_padding[:, None].astype(positions_q.dtype)
+            query, key, value = self._self_attention_qkv(inputs_q, rotary_positions, None)
+            key, value, mask = self._self_attention_cache(
+                key, value, mask, positions_q, check_cache, left_padding
+            )
+        elif self_attention:
             query, key, value = self._self_attention_qkv(inputs_q, positions_q, positions_kv)
         else:
             query = self._rotate(self._project(inputs_q, self.num_heads, "query"), positions_q)
             key, value = self._cross_attention_kv(inputs_kv, positions_kv, decode=decode)
-        if decode and self_attention:
+        if decode and self_attention and left_padding is None:
             key, value, mask = self._self_attention_cache(
                 key, value, mask, positions_q, check_cache
             )
@@ -169,13 +197,17 @@ class MultiHeadAttention(nn.Module):
     def _kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
+    @property
+    def _qkv_bias(self) -> bool:
+        return self.use_bias if self.qkv_bias is None else self.qkv_bias
+
     def _project(self, x: Array, heads: int, name: str) -> Array:
         """`[batch, len, features]` -> `[batch, len, heads, head_dim]`."""
         return HeadProjection(
             heads,
             self.head_dim,
             axis_names=QUERY_AXES if name == "query" else KV_AXES,
-            use_bias=self.use_bias,
+            use_bias=self._qkv_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             quantization=self.quantization,
@@ -189,7 +221,7 @@ class MultiHeadAttention(nn.Module):
             self.num_heads,
             self._kv_heads,
             self.head_dim,
-            use_bias=self.use_bias,
+            use_bias=self._qkv_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             quantization=self.quantization,
@@ -203,7 +235,11 @@ class MultiHeadAttention(nn.Module):
             return x
         if positions is None:
             positions = jnp.arange(x.shape[1])[None]
-        return pos_lib.rotary(x, positions)
+        if self.rope_theta is None and self.rope_scaling is None:
+            return pos_lib.rotary(x, positions)
+        theta = 10000.0 if self.rope_theta is None else self.rope_theta
+        inv_freq = pos_lib.rope_inv_freq(x.shape[-1], theta, self.rope_scaling)
+        return pos_lib.rotary(x, positions, inv_freq=inv_freq)
 
     def _project_kv(self, source: Array, positions: Array | None) -> tuple[Array, Array]:
         """Keys (rotated at ``positions``) and values `[batch, len, kv_heads, head_dim]`."""
@@ -278,7 +314,13 @@ class MultiHeadAttention(nn.Module):
     # ------------------------------------------------------------------------- the cache
 
     def _self_attention_cache(
-        self, key: Array, value: Array, mask: Any, positions_q: Array | None, check: bool
+        self,
+        key: Array,
+        value: Array,
+        mask: Any,
+        positions_q: Array | None,
+        check: bool,
+        left_padding: Array | None = None,
     ) -> tuple[Array, Array, Array | None]:
         """decode=True self-attention: the new keys/values `[batch, q_len, kv_heads, head_dim]`
         go into the cache; returns the keys/values to attend over `[batch, slots, kv_heads,
@@ -305,6 +347,11 @@ class MultiHeadAttention(nn.Module):
             return key, value, mask
         q_len, slots = key.shape[1], cached_key.value.shape[2]
         if self.window is not None and slots == self.window and q_len:
+            if left_padding is not None:
+                raise ValueError(
+                    "left_padding (a left-padded prompt) needs the full key/value cache, not "
+                    f"the sliding window's ring buffer of {self.window} slots"
+                )
             if positions_q is None:
                 raise ValueError("decode=True self-attention needs positions_q `[batch, q_len]`")
             return self._write_ring_buffer(cached_key, cached_value, key, value, mask, positions_q)
@@ -315,6 +362,9 @@ class MultiHeadAttention(nn.Module):
                 "decode=True self-attention needs positions_q `[batch, q_len]`: the absolute "
                 "positions of the new tokens (the first is the cache slot written)"
             )
+        if left_padding is not None:  # the prompts' padding slots: hidden from every query
+            real = jnp.arange(slots)[None, :] >= left_padding[:, None]  # [batch, slots]
+            mask = combine_masks(mask, real[:, None, None, :])
         return self._write_full_cache(
             cached_key, cached_value, key, value, mask, positions_q, check
         )

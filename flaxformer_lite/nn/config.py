@@ -131,6 +131,8 @@ class TransformerConfig:
       quantization: None (float) or "int8": inference with int8 weights and per-row int8
         activations (``quantize``: the parameters must come from ``quantize.quantize_params``;
         encoder-decoder and decoder-only models; mixture-of-experts blocks stay float).
+
+    BART / mBART (``interop/bart.py``; defaults leave every other model as it was):
       learned_position_offset: rows the learned position table keeps before position 0
         (Hugging Face BART/mBART: 2); inert unless ``position="learned"`` (checked whatever
         the position kind, as the relative buckets are). The table is `[max_len + offset,
@@ -141,6 +143,24 @@ class TransformerConfig:
       activation_dropout_rate: dropout on the hidden units of the dense feed-forward blocks,
         after the activation (BART's ``activation_dropout``; mixture-of-experts blocks have
         none); training only.
+
+    Llama family (``interop/llama.py``; defaults leave every other model as it was):
+      rope_theta: the base of the rotary frequencies ``theta^(-2i/head_dim)``: a number > 0
+        (Hugging Face's ``rope_theta``: 10000 as RoFormer, Llama 3 500000), the frequencies
+        then computed exactly as transformers computes them (``ops.positions.rope_inv_freq``);
+        or None, 10000 computed as this library always has (float32 JAX; an ulp apart from
+        transformers' in some channels), which keeps earlier models bitwise as they were.
+      rope_scaling_factor: Llama 3's ``rope_scaling`` (``rope_type="llama3"``): None (off) or
+        a number >= 1 that divides the low rotary frequencies (wavelength above
+        ``rope_original_max_len / rope_low_freq_factor``), interpolating smoothly up to the
+        high ones (wavelength below ``rope_original_max_len / rope_high_freq_factor``, kept),
+        exactly as transformers computes ``inv_freq`` (``ops.positions.rope_inv_freq``).
+      rope_low_freq_factor, rope_high_freq_factor: that interpolation's bounds (Llama 3.1: 1
+        and 4); numbers > 0 with low < high. Read only with ``rope_scaling_factor``.
+      rope_original_max_len: the context length the model was pretrained at (Llama 3.1:
+        8192); a positive int. Read only with ``rope_scaling_factor``.
+      qkv_bias: biases on the query, key and value projections whatever ``use_bias`` (Qwen2:
+        ``use_bias=False, qkv_bias=True``, no bias on the attention output or the MLP).
     """
 
     vocab_size: int = 37000
@@ -193,6 +213,13 @@ class TransformerConfig:
     learned_position_offset: int = 0
     embedding_norm: bool = False
     activation_dropout_rate: float = 0.0
+    # Llama family (interop/llama.py).
+    rope_theta: float | None = None
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         # Grouped by concern, each group checking its fields' types before their values; a
@@ -207,6 +234,7 @@ class TransformerConfig:
         self._check_kernels()
         self._check_moe()
         self._check_positions()
+        self._check_rope()
 
     def _check_sizes(self) -> None:
         """Vocabulary, width, head, depth and length sizes: positive integers; d_model splits
@@ -245,7 +273,7 @@ class TransformerConfig:
         a number > 0."""
         bools = (
             "share_embeddings tie_output_embedding logits_bias scale_embeddings use_bias remat"
-            " scan_layers fused_qkv embedding_norm"
+            " scan_layers fused_qkv embedding_norm qkv_bias"
         )
         for name in bools.split():
             value = getattr(self, name)
@@ -387,6 +415,52 @@ class TransformerConfig:
                 f"{window!r}"
             )
         self._check_relative()
+
+    def _check_rope(self) -> None:
+        """Rotary frequencies: theta None or > 0; Llama 3 scaling None or a factor >= 1 with
+        0 < low < high frequency factors and a positive original length."""
+
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"TransformerConfig.{name} must be a number > 0; got {value!r}")
+            return value
+
+        if self.rope_theta is not None:
+            number("rope_theta")
+        low, high = number("rope_low_freq_factor"), number("rope_high_freq_factor")
+        original = self.rope_original_max_len
+        if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+            raise ValueError(
+                f"TransformerConfig.rope_original_max_len must be a positive integer; got "
+                f"{original!r}"
+            )
+        factor = self.rope_scaling_factor
+        if factor is None:
+            return
+        if not isinstance(factor, int | float) or isinstance(factor, bool) or not factor >= 1:
+            raise ValueError(
+                "TransformerConfig.rope_scaling_factor must be None (no Llama 3 scaling) or a "
+                f"number >= 1; got {factor!r}"
+            )
+        if not low < high:
+            raise ValueError(
+                f"TransformerConfig.rope_low_freq_factor ({low}) must be below "
+                f"rope_high_freq_factor ({high}) with rope_scaling_factor set"
+            )
+
+    @property
+    def rope_scaling(self) -> tuple[float, float, float, int] | None:
+        """Llama 3 scaling as ``(factor, low_freq_factor, high_freq_factor, original_max_len)``
+        (what ``ops.positions.rope_inv_freq`` takes), or None."""
+        if self.rope_scaling_factor is None:
+            return None
+        return (
+            float(self.rope_scaling_factor),
+            float(self.rope_low_freq_factor),
+            float(self.rope_high_freq_factor),
+            int(self.rope_original_max_len),
+        )
 
     def _check_relative(self) -> None:
         """T5 relative-position buckets: an even count >= 4, and a max distance past half."""

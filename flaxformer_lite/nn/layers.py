@@ -102,6 +102,9 @@ def _attention(
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
         quantization=config.quantization,
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+        qkv_bias=config.use_bias or config.qkv_bias,
         name=name,
     )
 
@@ -212,11 +215,14 @@ class DecoderLayer(nn.Module):
         bias: Array | None = None,
         beam_ancestors: Array | None = None,
         valid: Array | None = None,
+        left_padding: Array | None = None,
     ) -> Array:
         """bias: added to the self-attention logits, `[batch|1, heads, len, kv_len]` (the
         stack's relative position bias; with ``decode=True`` kv_len is the cache length).
         beam_ancestors: int `[batch * beam_size, slots]`, see ``beam_cache``. valid: bool
-        `[batch, len]`, the real positions (padding is not routed by a mixture of experts)."""
+        `[batch, len]`, the real positions (padding is not routed by a mixture of experts).
+        left_padding: int `[batch]` (``decode=True``): the left-padded prompt slots of each row
+        (``MultiHeadAttention``)."""
         cfg = self.config
         kw = dict(pre_norm=cfg.norm_position == "pre", deterministic=self.deterministic)
         dropout = nn.Dropout(cfg.dropout_rate)
@@ -234,6 +240,7 @@ class DecoderLayer(nn.Module):
                 check_cache=self.check_cache,
                 beam_size=self.beam_size,
                 beam_ancestors=beam_ancestors,
+                left_padding=left_padding,
             )
 
         x = residual(x, self_attention, make_norm(cfg, "self_attention_norm"), dropout, **kw)

@@ -10,6 +10,8 @@ cached decoder step asks for its own position. Relative schemes act inside atten
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -78,15 +80,57 @@ class LearnedPositions(nn.Module):
         return x + jnp.take(table, positions + self.offset, axis=0).astype(x.dtype)
 
 
-def rotary(x: Array, positions: Array, max_timescale: float = 10000.0) -> Array:
+def rope_inv_freq(
+    head_dim: int,
+    theta: float = 10000.0,
+    scaling: tuple[float, float, float, int] | None = None,
+) -> np.ndarray:
+    """The rotary frequencies float32 `[head_dim / 2]` of Hugging Face's Llama: ``1 /
+    theta^(2i / head_dim)``, then with ``scaling`` = ``(factor, low_freq_factor,
+    high_freq_factor, original_max_len)`` Llama 3's ``rope_scaling``: wavelengths ``2 pi /
+    freq`` above ``original_max_len / low_freq_factor`` divided by ``factor``, below
+    ``original_max_len / high_freq_factor`` kept, in between interpolated by ``s = (original /
+    wavelength - low) / (high - low)``: ``(1 - s) freq / factor + s freq``.
+
+    Computed step by step in float32 as ``transformers``' ``_compute_llama3_parameters``
+    does (its comparisons decide the same bands), the power correctly rounded (torch's
+    float32 ``pow`` may differ by an ulp).
+    """
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary positions; got {head_dim}")
+    f32 = np.float32
+    exponent = np.arange(0, head_dim, 2).astype(f32) / f32(head_dim)
+    power = np.power(np.float64(theta), exponent.astype(np.float64)).astype(f32)
+    inv_freq = (f32(1.0) / power).astype(f32)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    low_wavelen, high_wavelen = original / low, original / high  # Python floats, as HF's
+    wavelen = (f32(2 * np.pi) / inv_freq).astype(f32)
+    scaled = np.where(wavelen > low_wavelen, inv_freq / f32(factor), inv_freq).astype(f32)
+    smooth = ((f32(original) / wavelen - f32(low)) / f32(high - low)).astype(f32)
+    smoothed = ((f32(1) - smooth) * scaled / f32(factor) + smooth * scaled).astype(f32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(f32)
+
+
+def rotary(
+    x: Array, positions: Array, max_timescale: float = 10000.0, inv_freq: Any = None
+) -> Array:
     """Rotary position embedding (RoFormer) of x `[batch, length, heads, head_dim]`.
 
     Channel pairs (i, i + head_dim/2) are rotated by the angle position / 10000^(2i/head_dim),
-    so the dot product of a rotated query and key depends only on their distance.
+    so the dot product of a rotated query and key depends only on their distance: Hugging
+    Face's ``rotate_half`` layout, ``x * cos + rotate_half(x) * sin``. ``max_timescale`` is
+    the base; ``inv_freq`` float `[head_dim / 2]`, when given, the frequencies themselves
+    (``rope_inv_freq``: transformers' exactly, Llama 3's scaling included).
     positions: int `[batch, length]`.
     """
     half = x.shape[-1] // 2
-    inv_timescale = max_timescale ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if inv_freq is None:
+        inv_timescale = max_timescale ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    else:
+        inv_timescale = jnp.asarray(inv_freq, jnp.float32)
     angles = positions[..., None].astype(jnp.float32) * inv_timescale  # [b, n, half]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)

@@ -82,6 +82,7 @@ BAD_VALUES = [
     ("banned_ids", ((1,),), "banned_ids must be a sequence of token ids"),
     ("banned_ids", (True,), "banned_ids must be a sequence of token ids"),
     ("banned_ids", "12", "banned_ids must be a sequence of token ids"),
+    ("prepend_bos", 0, "prepend_bos must be True or False"),
     ("forced_bos_id", -1, "forced_bos_id must be None .* or a token id"),
     ("forced_bos_id", 2.0, "forced_bos_id must be None .* or a token id"),
     ("forced_bos_id", True, "forced_bos_id must be None .* or a token id"),
@@ -144,6 +145,11 @@ def test_model_dependent_checks_name_the_field_and_the_limit():
 def test_decode_len_is_the_output_width():
     assert GenerationConfig().decode_len(MARIAN) == 32  # the model's positions
     assert GenerationConfig().decode_len(MARIAN, prompt_len=5) == 26  # 32 - BOS - 5
+    # prepend_bos=False: the prompt as given, no BOS position.
+    assert GenerationConfig(prepend_bos=False).decode_len(MARIAN, prompt_len=5) == 27
+    GenerationConfig(max_len=27, prepend_bos=False).checked_for(MARIAN, prompt_len=5)
+    with pytest.raises(ValueError, match="^max_len=28 .* after a 5-token prompt.*<= 27$"):
+        GenerationConfig(max_len=28, prepend_bos=False).checked_for(MARIAN, prompt_len=5)
     assert GenerationConfig(max_len=9).decode_len(MARIAN) == 9
     # "source": min(32, int(1.5 * padded source) + 10).
     assert GenerationConfig(max_len="source").decode_len(MARIAN, source_len=8) == 22
@@ -214,6 +220,7 @@ def test_json_round_trip():
         top_p=0.8,
         forced_eos=True,
         banned_ids=(11, 3),
+        prepend_bos=False,
         forced_bos_id=5,
     )
     text = json.dumps(g.to_dict())
@@ -231,6 +238,7 @@ def test_json_round_trip():
         "top_p": 0.8,
         "forced_eos": True,
         "banned_ids": [3, 11],
+        "prepend_bos": False,
         "forced_bos_id": 5,
     }
     assert GenerationConfig.from_dict(json.loads(text)) == g
@@ -329,6 +337,7 @@ def test_from_hugging_face_reads_what_transformers_writes(tmp_path):
             renormalize=bool(read.renormalize_logits),
             forced_eos=read.forced_eos_token_id == EOS,
             banned_ids=tuple(w[0] for w in read.bad_words_ids),
+            prepend_bos=False,  # generate() feeds the ids as given
             forced_bos_id=read.forced_bos_token_id,
         ), name
         written = json.loads((folder / "generation_config.json").read_text())
@@ -346,7 +355,7 @@ def test_from_hugging_face_defaults_and_old_config_json(tmp_path):
     # transformers' defaults: greedy, max_length 20 counted after the decoder start of an
     # encoder-decoder (20 new tokens), no constraints, length_penalty 1.0.
     assert GenerationConfig.from_hugging_face(str(unset), MARIAN) == GenerationConfig(
-        method="greedy", max_len=20, beam_size=1, alpha=1.0, beam_style="hf"
+        method="greedy", max_len=20, beam_size=1, alpha=1.0, beam_style="hf", prepend_bos=False
     )
     # An older checkpoint: the generation fields in config.json, no generation_config.json.
     old = tmp_path / "old"
@@ -361,6 +370,7 @@ def test_from_hugging_face_defaults_and_old_config_json(tmp_path):
         beam_style="hf",
         forced_eos=True,
         banned_ids=(PAD,),
+        prepend_bos=False,
     )
 
 

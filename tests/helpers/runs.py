@@ -1,6 +1,7 @@
-"""train.py runs in subprocesses for tests, and what they leave behind: the command lines,
-waiting for a checkpoint, the saved state, its files' digests, the metrics rows and the last
-smoothed loss; a free localhost port for multi-process runs and local servers."""
+"""train.py runs in subprocesses for tests (a one-device run also in this process:
+``train_here``), and what they leave behind: the command lines, waiting for a checkpoint, the
+saved state, its files' digests, the metrics rows and the last smoothed loss; a free
+localhost port for multi-process runs and local servers."""
 
 from __future__ import annotations
 
@@ -135,6 +136,29 @@ def run_train(workdir: Path, *extra: str, devices: int = 1, env_extra=None, wait
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+def train_here(workdir: Path, *extra: str) -> dict:
+    """What ``run_train(workdir, *extra)`` runs on one device, in this process: the same
+    command-line flags through the same parser (absl, ml_collections' config file flag,
+    preflight.parse_flags) on fresh flag values, then ``train.train_and_evaluate``; returns
+    its final metrics. For a one-device reference run, where a subprocess would only add the
+    start of a Python with JAX (the runs on several devices or processes stay subprocesses)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    import train
+    from flaxformer_lite.training import preflight
+
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "Python config file.", flag_values=values)
+    argv = ["train.py", "--config", str(ROOT / "configs/default.py"), *SHARDING_FLAGS, *extra]
+    saved_argv, sys.argv = sys.argv, argv  # config_flags finds the overrides in sys.argv
+    try:
+        preflight.parse_flags(argv, values)
+    finally:
+        sys.argv = saved_argv
+    return train.train_and_evaluate(values.config, str(workdir))
 
 
 def saved_state(workdir: Path | str, step: int | None = None):

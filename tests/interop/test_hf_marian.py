@@ -374,6 +374,14 @@ IRRELEVANT = {
     "attention_window_layers": {"attention_window_layers": "encoder"},
     "relative_num_buckets": {"relative_num_buckets": 8},
     "relative_max_distance": {"relative_max_distance": 64},
+    # Llama family: rotary settings (Marian's positions are sinusoids) and query/key/value
+    # biases (Marian has every bias already).
+    "rope_theta": {"rope_theta": 500000.0},
+    "rope_scaling_factor": {"rope_scaling_factor": 8.0},
+    "rope_low_freq_factor": {"rope_low_freq_factor": 2.0},
+    "rope_high_freq_factor": {"rope_high_freq_factor": 8.0},
+    "rope_original_max_len": {"rope_original_max_len": 1024},
+    "qkv_bias": {"qkv_bias": True},
 }
 
 

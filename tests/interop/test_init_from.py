@@ -218,6 +218,10 @@ ALTERNATIVES = dict(
     use_bias=False, fused_qkv=True, num_classes=3, pooling="first", num_experts=2,
     num_experts_per_token=1, moe_every=2, attention_window=2, attention_window_layers="encoder",
     relative_num_buckets=8, relative_max_distance=20, head_dim=4, quantization="int8",
+    # Llama family.
+    rope_theta=500000.0, rope_scaling_factor=8.0, rope_low_freq_factor=2.0,
+    rope_high_freq_factor=8.0, rope_original_max_len=1024, qkv_bias=True,
+    # BART / mBART.
     learned_position_offset=2, embedding_norm=True,
 )  # fmt: skip
 

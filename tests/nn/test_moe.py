@@ -21,7 +21,7 @@ from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, Tran
 from flaxformer_lite.nn import moe
 from flaxformer_lite.nn.mlp import MlpBlock
 
-from helpers.runs import final_loss, run_train, saved_state
+from helpers.runs import final_loss, run_train, saved_state, train_here
 
 # ----------------------------------------------------------------------------- routing
 
@@ -311,8 +311,9 @@ MOE_FLAGS = [
 
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
+    """The one-device run, in this process (the eight-device run parses the same flags)."""
     workdir = tmp_path_factory.mktemp("moe_one_device")
-    run_train(workdir, *MOE_FLAGS)
+    train_here(workdir, *MOE_FLAGS)
     return workdir
 
 
