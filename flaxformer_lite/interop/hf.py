@@ -4,10 +4,10 @@
     save_pretrained("out/", config, params, tokenizer)  # transformers / CTranslate2 read it
 
 ``load_pretrained`` reads ``config.json``'s ``model_type`` and hands the folder to that
-family's module beside this one (``FAMILIES``: ``marian``, ``llama``, ...), which knows the family's
-config fields, its parameter names (as ``naming.Tensor`` rows: one map read both ways) and its
-tokenizer. ``save_pretrained`` writes a config as the one family that can express it (or the
-``model_type`` asked for).
+family's module beside this one (``FAMILIES``: ``marian``, ``bart`` for BART and mBART,
+``llama``, ...), which knows the family's config fields, its parameter names (as
+``naming.Tensor`` rows: one map read both ways) and its tokenizer. ``save_pretrained`` writes a
+config as the one family that can express it (or the ``model_type`` asked for).
 
 Reading needs neither torch nor transformers: ``config.json`` is JSON, ``model.safetensors``
 reads into NumPy (a ``pytorch_model.bin`` needs torch).
@@ -37,7 +37,7 @@ from flaxformer_lite.decoding.hf_generation import (  # noqa: F401  (defined her
     generation_defaults,
     unsupported_generation,
 )
-from flaxformer_lite.interop import llama, marian
+from flaxformer_lite.interop import bart, llama, marian
 from flaxformer_lite.interop.marian import (  # noqa: F401  (defined here before)
     FROM_HF_ACTIVATION,
     TO_HF_ACTIVATION,
@@ -51,7 +51,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 # params_from_state_dict(state, config), state_dict_from_params(plain params, config),
 # generation_ids(config) and default_generation(config) (generation_config.json's special ids,
 # and its content when none is given), load_tokenizer(root) -> tokenizer | None.
-FAMILY_MODULES: tuple[ModuleType, ...] = (marian, llama)
+FAMILY_MODULES: tuple[ModuleType, ...] = (marian, bart, llama)
 FAMILIES: dict[str, ModuleType] = {t: f for f in FAMILY_MODULES for t in f.MODEL_TYPES}
 
 Params = dict[str, Any]
