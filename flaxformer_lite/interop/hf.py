@@ -369,7 +369,7 @@ def export_workdir(
     model (an EncoderDecoder, or a DecoderOnly for a ``DECODER_ONLY`` family such as Llama):
     its ``model_config.json``, the
     parameters of checkpoint ``step`` (default the latest; ``average`` > 1: the mean of that
-    many last checkpoints) and, when the workdir holds them, its Marian tokenizer and the
+    many last checkpoints) and, when the workdir holds them, its tokenizer and the
     ``generation_config.json`` of the folder it was fine-tuned from (every field kept).
     ``dequantize``: an int8 model is written dequantized (see ``save_pretrained``).
 
@@ -416,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m flaxformer_lite.interop.hf",
-        description="Write a train.py workdir as a Hugging Face model folder (Marian, Llama).",
+        description="Write a train.py workdir as a Hugging Face model folder ("
+        + ", ".join(f.NAME for f in FAMILY_MODULES)
+        + ").",
     )
     parser.add_argument("--workdir", required=True, help="train.py workdir (local or gs://)")
     parser.add_argument("--out", required=True, help="output folder (local or gs://)")
@@ -426,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dequantize",
         action="store_true",
         help="write an int8 model (quantization='int8') as float32 q * scale weights "
-        "(Marian has no int8 weights; without this flag an int8 model is refused)",
+        "(Hugging Face models have no int8 weights; without this flag an int8 model is refused)",
     )
     args = parser.parse_args(argv)
     if args.average < 1:
