@@ -47,6 +47,7 @@ ARCHITECTURE_FIELDS = (
     # Llama family (interop/llama.py).
     " rope_theta rope_scaling_factor rope_low_freq_factor rope_high_freq_factor"
     " rope_original_max_len qkv_bias"
+    " learned_position_offset embedding_norm"  # BART / mBART
     # T5 (interop/t5.py).
     " scale_attention_logits scale_decoder_output"
 ).split()
@@ -56,6 +57,7 @@ ARCHITECTURE_FIELDS = (
 TRAINING_FIELDS = (
     "dropout_rate attention_dropout_rate dtype param_dtype attention_implementation remat"
     " scan_layers expert_capacity_factor moe_aux_loss_weight router_z_loss_weight"
+    " activation_dropout_rate"  # BART / mBART
 ).split()
 # Fields the fine-tuning data's vocabulary decides (train.model_config): its sizes (a grown or
 # shrunk vocabulary is partially restored) and its special ids.

@@ -31,9 +31,8 @@ Whether ``lm_head`` is tied is the checkpoint's to say: transformers 5 writes
 ``tie_word_embeddings: true`` for every T5 (its ``scale_decoder_outputs`` keeps v1.1's "no
 scaling") and stores ``lm_head.weight`` only when it differs from ``shared.weight``; so a
 stored ``lm_head.weight`` unlike ``shared.weight`` unties it (``config_from_state``), as
-transformers itself loads it. Training-only differences: T5 also drops out inside the
-feed-forward block (after the activation), which ``TransformerConfig`` has no place for; its
-``dropout_rate`` is our residual and attention dropout. Evaluation and decoding are exact.
+transformers itself loads it. T5's one ``dropout_rate`` is our residual, attention and
+feed-forward (``activation_dropout_rate``) dropout, as T5 applies it in training.
 """
 
 from __future__ import annotations
@@ -175,7 +174,8 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
         num_encoder_layers=layers,
         num_decoder_layers=hf.get("num_decoder_layers") or layers,
         dropout_rate=rate,
-        attention_dropout_rate=rate,  # T5 drops attention weights at the same rate
+        attention_dropout_rate=rate,  # T5 drops attention weights at the same rate,
+        activation_dropout_rate=rate,  # and the feed-forward hidden units
         max_len=int(hf.get("n_positions") or 512),  # a hint only: relative positions
         activation=FROM_HF_FEED_FORWARD[hf.get("feed_forward_proj", "relu")],
         norm_position="pre",
@@ -220,10 +220,11 @@ def config_from_state(
 #   tie_output_embedding, scale_decoder_output, pad_id, bos_id, eos_id;
 # - refused where T5 cannot express the value (``problems``): target_vocab_size,
 #   num_kv_heads, norm_position, norm_type, position, scale_embeddings, share_embeddings,
-#   logits_bias, use_bias, qkv_bias, fused_qkv, num_experts, attention_window,
-#   scale_attention_logits, quantization (unless ``dequantize``);
-# - irrelevant: attention_dropout_rate (T5 has one rate, dropout_rate's, for both; training
-#   only), dtype, param_dtype, attention_implementation, remat, scan_layers,
+#   logits_bias, use_bias, qkv_bias, embedding_norm, fused_qkv, num_experts,
+#   attention_window, scale_attention_logits, quantization (unless ``dequantize``);
+# - irrelevant: attention_dropout_rate and activation_dropout_rate (T5 has one rate,
+#   dropout_rate's, for all three; training only), learned_position_offset (learned
+#   positions are refused), dtype, param_dtype, attention_implementation, remat, scan_layers,
 #   num_classes, pooling, unk_id, sinusoid_layout (no sinusoids), the MoE sizes and weights,
 #   attention_window_layers, the Llama family's rope_* (rotary only, which is refused).
 def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str]:
@@ -242,6 +243,7 @@ def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str
         "scale_attention_logits": False,
         "num_kv_heads": None,
         "qkv_bias": False,
+        "embedding_norm": False,
     }
     found = [
         f"{name}={getattr(config, name)!r} (T5: {value!r})"

@@ -173,6 +173,8 @@ SHAPE_FIELDS = (
     "model.moe_every",
     "model.relative_num_buckets",
     "model.quantization",
+    "model.learned_position_offset",  # BART / mBART: the learned table's rows
+    "model.embedding_norm",
 )
 
 

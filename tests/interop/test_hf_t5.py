@@ -68,6 +68,11 @@ def test_config_carries_t5_choices(saved):
     # transformers 5 says tie_word_embeddings=True for both; the weights untie v1.1's head.
     assert config.tie_output_embedding == v1_0 == hc.scale_decoder_outputs
     assert config.scale_decoder_output == v1_0
+    # T5's one dropout rate: residual, attention weights and feed-forward hidden units.
+    written = json.loads((saved[2] / "config.json").read_text())
+    dropped = t5.config_from_hf({**written, "dropout_rate": 0.1})
+    rates = (dropped.dropout_rate, dropped.attention_dropout_rate, dropped.activation_dropout_rate)
+    assert rates == (0.1, 0.1, 0.1)
 
 
 @pytest.mark.parametrize(
@@ -240,6 +245,7 @@ def test_what_t5_cannot_express_is_refused_before_writing(saved, tmp_path):
         {"position": "rotary"},
         {"logits_bias": True},
         {"qkv_bias": True},  # the Llama family's (Qwen2): T5 has no biases
+        {"embedding_norm": True},  # BART's layernorm_embedding
     ):
         field = next(iter(changes))
         with pytest.raises(ValueError, match=f"{field}="):
@@ -247,7 +253,7 @@ def test_what_t5_cannot_express_is_refused_before_writing(saved, tmp_path):
     assert not (tmp_path / "out").exists()
     assert hf.family_for(config) is t5  # a T5 config is T5's alone
     # T5's options keep a config from the other families (none drops them silently).
-    for other in ("marian", "llama"):
+    for other in ("marian", "bart", "llama"):
         with pytest.raises(ValueError, match="scale_attention_logits=False"):
             hf.config_to_hf(config, model_type=other)
 
