@@ -35,8 +35,6 @@ from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
 from helpers.hf_t5 import random_t5  # noqa: E402
 
 STEPS = 20
-# One 20-step train.py run: about 30 s of CPU, minutes of wall time on a shared machine.
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
