@@ -369,7 +369,8 @@ def export_workdir(
     model (an EncoderDecoder, or a DecoderOnly for a ``DECODER_ONLY`` family such as Llama):
     its ``model_config.json``, the
     parameters of checkpoint ``step`` (default the latest; ``average`` > 1: the mean of that
-    many last checkpoints) and, when the workdir holds them, its Marian tokenizer and the
+    many last checkpoints) and, when the workdir holds them, its tokenizer (Marian's, or the
+    BART / mBART one it was fine-tuned with) and the
     ``generation_config.json`` of the folder it was fine-tuned from (every field kept).
     ``dequantize``: an int8 model is written dequantized (see ``save_pretrained``).
 
