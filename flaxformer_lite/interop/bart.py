@@ -176,7 +176,8 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 # refused unless BART's value (``problems``): target_vocab_size, share_embeddings,
 # tie_output_embedding, num_kv_heads, head_dim, norm_type, layer_norm_epsilon, position,
 # learned_position_offset, embedding_norm, use_bias, fused_qkv, num_experts, attention_window,
-# quantization (unless ``dequantize``); irrelevant: the rest (Marian's irrelevant fields).
+# quantization (unless ``dequantize``), T5's scale_attention_logits and scale_decoder_output;
+# irrelevant: the rest (Marian's irrelevant fields).
 def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str]:
     """What keeps ``config`` from being written as a BART/mBART model (empty when nothing)."""
     wanted = {
@@ -191,6 +192,8 @@ def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str
         "use_bias": True,
         "fused_qkv": False,
         "attention_window": None,
+        "scale_attention_logits": True,
+        "scale_decoder_output": False,
     }
     found = [
         f"{name}={getattr(config, name)!r} (BART: {value!r})"

@@ -148,7 +148,8 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 # - refused where Marian cannot express the value (``problems``): num_kv_heads,
 #   head_dim, activation (gated), norm_position, norm_type, layer_norm_epsilon, position,
 #   sinusoid_layout, use_bias, fused_qkv, num_experts (with moe_every), attention_window,
-#   quantization (unless ``dequantize``), learned_position_offset, embedding_norm;
+#   quantization (unless ``dequantize``), learned_position_offset, embedding_norm,
+#   scale_attention_logits, scale_decoder_output;
 # - irrelevant to the saved model (precision, memory, layout, training or the classifier
 #   head, or inert because a refused field is off): dtype, param_dtype,
 #   attention_implementation, remat, scan_layers, num_classes, pooling, unk_id (the
@@ -173,6 +174,8 @@ def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str
         "attention_window": None,
         "learned_position_offset": 0,
         "embedding_norm": False,
+        "scale_attention_logits": True,
+        "scale_decoder_output": False,
     }
     found = [
         f"{name}={getattr(config, name)!r} (Marian: {value!r})"

@@ -161,6 +161,13 @@ class TransformerConfig:
         8192); a positive int. Read only with ``rope_scaling_factor``.
       qkv_bias: biases on the query, key and value projections whatever ``use_bias`` (Qwen2:
         ``use_bias=False, qkv_bias=True``, no bias on the attention output or the MLP).
+
+    T5 (``interop/t5.py``; defaults leave every other model as it was):
+      scale_attention_logits: multiply the query-key dot products by 1/sqrt(head_dim) (the
+        paper); False leaves them unscaled, as T5 does (its query kernels absorb the scaling).
+      scale_decoder_output: multiply the decoder's final output by d_model**-0.5 before the
+        output projection (T5 v1.0, whose tied embedding table makes the logits; Hugging Face's
+        ``scale_decoder_outputs``). False: the paper's and every other model's logits.
     """
 
     vocab_size: int = 37000
@@ -220,6 +227,9 @@ class TransformerConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     qkv_bias: bool = False
+    # T5 (issue 25, interop/t5.py).
+    scale_attention_logits: bool = True
+    scale_decoder_output: bool = False
 
     def __post_init__(self) -> None:
         # Grouped by concern, each group checking its fields' types before their values; a
@@ -274,6 +284,7 @@ class TransformerConfig:
         bools = (
             "share_embeddings tie_output_embedding logits_bias scale_embeddings use_bias remat"
             " scan_layers fused_qkv embedding_norm qkv_bias"
+            " scale_attention_logits scale_decoder_output"
         )
         for name in bools.split():
             value = getattr(self, name)

@@ -105,6 +105,7 @@ def _attention(
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling,
         qkv_bias=config.use_bias or config.qkv_bias,
+        logits_scale=None if config.scale_attention_logits else 1.0,
         name=name,
     )
 

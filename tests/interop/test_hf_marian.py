@@ -354,6 +354,8 @@ REFUSED = {
     "quantization": [{"quantization": "int8"}],
     "learned_position_offset": [{"learned_position_offset": 2, "position": "learned"}],
     "embedding_norm": [{"embedding_norm": True}],
+    "scale_attention_logits": [{"scale_attention_logits": False}],
+    "scale_decoder_output": [{"scale_decoder_output": True}],
 }
 IRRELEVANT = {
     "dtype": {"dtype": "bfloat16"},

@@ -1,9 +1,11 @@
-"""The Translator on a Hugging Face BART folder: its own tokenizer in and out, decoding as the
-folder's ``generate`` does (greedy and beam 4 with the folder's generation config), compared
-with transformers' ``generate`` + ``batch_decode`` on the same texts.
+"""The Translator on Hugging Face BART and T5 folders: the folder's own tokenizer in and out,
+decoding as its ``generate`` does (greedy and beam 4 with the folder's generation config),
+compared with transformers' ``generate`` + ``batch_decode`` on the same 32 texts.
 
-The folder is a tiny random ``BartForConditionalGeneration`` (``helpers.hf_bart``; sharper
-attention so that rows differ) with a byte-level BPE tokenizer of exactly the model's 64 ids.
+The folders are tiny random models: a ``BartForConditionalGeneration`` (``helpers.hf_bart``;
+sharper attention so that rows differ) with a byte-level BPE tokenizer of exactly its 64 ids,
+and a T5 v1.1 (``helpers.hf_t5``) with a SentencePiece ``T5Tokenizer`` of 34 ids (the model has
+3 more rows, as t5-small's 32,128 exceed its tokenizer's 32,100).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ transformers = pytest.importorskip("transformers", reason="BartForConditionalGen
 from flaxformer_lite.data.hf_vocabulary import HFVocabulary  # noqa: E402
 from flaxformer_lite.inference.translator import Translator  # noqa: E402
 
+from helpers import hf_t5  # noqa: E402
 from helpers.hf_bart import (  # noqa: E402
     BOS,
     DECODING_QK_GAIN,
@@ -31,15 +34,22 @@ from helpers.hf_bart import (  # noqa: E402
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456"
 # bart-large's decoding: beam 4, <s> forced first, EOS forced at max_length.
-GENERATION = dict(
+BART_GENERATION = dict(
     decoder_start_token_id=EOS, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
     forced_bos_token_id=BOS, forced_eos_token_id=EOS, num_beams=4, max_length=12,
 )  # fmt: skip
+# T5's ids (decoder start = pad 0, EOS 1), beam 4, no forced tokens.
+T5_GENERATION = dict(
+    decoder_start_token_id=hf_t5.PAD, eos_token_id=hf_t5.EOS, pad_token_id=hf_t5.PAD,
+    num_beams=4, max_length=12,
+)  # fmt: skip
 
 
-def sentences(n: int, seed: int) -> list[str]:
-    """``n`` texts of 1-4 words of 1-5 characters, all in the tokenizer's vocabulary."""
+def sentences(n: int, seed: int, words: list[str] | None = None) -> list[str]:
+    """``n`` texts of 1-6 of ``words``, or (None) of 1-4 words of 1-5 of CHARS."""
     rng = random.Random(seed)
+    if words is not None:
+        return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) for _ in range(n)]
     return [
         " ".join(
             "".join(rng.choice(CHARS) for _ in range(rng.randint(1, 5)))
@@ -49,66 +59,74 @@ def sentences(n: int, seed: int) -> list[str]:
     ]
 
 
-TEXTS = sentences(32, 0)
-
-
-@pytest.fixture(scope="module")
-def bart_folder(tmp_path_factory):
-    """(the folder, the transformers model, its tokenizer)."""
-    folder = tmp_path_factory.mktemp("bart_translator") / "bart"
+def bart_folder(folder):
     random_bart("bart", seed=2, qk_gain=DECODING_QK_GAIN).save_pretrained(folder)
     write_model_sized_tokenizer(folder)
-    (folder / "generation_config.json").write_text(json.dumps(GENERATION, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(BART_GENERATION, indent=2))
     model = transformers.BartForConditionalGeneration.from_pretrained(str(folder)).eval()
-    return folder, model, transformers.AutoTokenizer.from_pretrained(str(folder))
+    return model, sentences(32, 0)
 
 
-def reference(model, tokenizer, **kwargs) -> list[str]:
+def t5_folder(folder):
+    tokenizer = hf_t5.t5_tokenizer(folder.parent)
+    hf_t5.random_t5("v1_1", seed=2, vocab_size=len(tokenizer) + 3).save_pretrained(folder)
+    tokenizer.save_pretrained(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps(T5_GENERATION, indent=2))
+    model = transformers.T5ForConditionalGeneration.from_pretrained(str(folder)).eval()
+    return model, sentences(32, 0, hf_t5.TOKENIZER_WORDS.split())
+
+
+@pytest.fixture(scope="module", params=["bart", "t5"])
+def family(request, tmp_path_factory):
+    """(name, the folder, the transformers model, its tokenizer, the texts, the Translator)."""
+    folder = tmp_path_factory.mktemp(f"{request.param}_translator") / "model"
+    model, texts = {"bart": bart_folder, "t5": t5_folder}[request.param](folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    translator = Translator.from_pretrained(str(folder))
+    return request.param, folder, model, tokenizer, texts, translator
+
+
+def reference(model, tokenizer, texts, **kwargs) -> list[str]:
     """transformers' ``generate`` (the folder's generation config, ``kwargs`` over it) and
     ``batch_decode``, whitespace runs joined (the Translator's output normalisation)."""
-    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**batch, **kwargs)
     return [" ".join(s.split()) for s in tokenizer.batch_decode(out, skip_special_tokens=True)]
 
 
-@pytest.fixture(scope="module")
-def translator(bart_folder):
-    return Translator.from_pretrained(str(bart_folder[0]))
-
-
-def test_the_translator_encodes_with_the_folders_tokenizer(bart_folder, translator):
-    _, _, tokenizer = bart_folder
+def test_the_translator_encodes_with_the_folders_tokenizer(family):
+    name, _, model, tokenizer, texts, translator = family
     assert isinstance(translator.source_vocab, HFVocabulary)
-    ids, truncated = translator.encode(TEXTS)
-    assert truncated == 0 and ids == tokenizer(TEXTS)["input_ids"]  # <s> ... </s>
-    assert translator.config.bos_id == EOS  # BART's decoder start
+    ids, truncated = translator.encode(texts)
+    assert truncated == 0 and ids == tokenizer(texts)["input_ids"]  # BART: <s> ... </s>
+    assert translator.config.bos_id == model.config.decoder_start_token_id  # </s>; T5: pad
+    assert translator.config.vocab_size == model.config.vocab_size
 
 
-def test_beam_4_equals_generate(bart_folder, translator):
-    _, model, tokenizer = bart_folder
-    want = reference(model, tokenizer)
+def test_beam_4_equals_generate(family):
+    _, _, model, tokenizer, texts, translator = family
+    want = reference(model, tokenizer, texts)
     assert translator.generation.method == "beam" and translator.generation.beam_size == 4
-    assert translator.translate(TEXTS) == want
+    assert translator.translate(texts) == want
     assert len(set(want)) >= 10, "the random model must not translate every row alike"
 
 
-def test_greedy_equals_generate(bart_folder, translator):
-    _, model, tokenizer = bart_folder
-    want = reference(model, tokenizer, num_beams=1)
-    assert translator.translate(TEXTS, method="greedy") == want
-    assert (
-        sum(a != b for a, b in zip(want, reference(model, tokenizer), strict=True)) >= 5
-    )  # beam differs
+def test_greedy_equals_generate(family):
+    _, _, model, tokenizer, texts, translator = family
+    want = reference(model, tokenizer, texts, num_beams=1)
+    assert translator.translate(texts, method="greedy") == want
+    beam = reference(model, tokenizer, texts)
+    assert sum(a != b for a, b in zip(want, beam, strict=True)) >= 5  # the two searches differ
 
 
-def test_a_tokenizer_larger_than_the_model_is_refused(bart_folder):
+def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path):
     """helpers.hf_bart.write_tokenizer's 64 ids plus an added <mask>: id 64 has no row."""
     from flaxformer_lite.data.hf_tokenizers import load_hf_tokenizer
 
     from helpers.hf_bart import write_tokenizer
 
-    folder = bart_folder[0].parent / "too_large"
+    folder = tmp_path / "too_large"
     write_tokenizer(folder)
     tokenizer = load_hf_tokenizer(str(folder), "bart")
     with pytest.raises(ValueError, match=r"has 65 ids but the model's vocab_size is 64"):

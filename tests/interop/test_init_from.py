@@ -223,6 +223,8 @@ ALTERNATIVES = dict(
     rope_high_freq_factor=8.0, rope_original_max_len=1024, qkv_bias=True,
     # BART / mBART.
     learned_position_offset=2, embedding_norm=True,
+    # T5.
+    scale_attention_logits=False, scale_decoder_output=True,
 )  # fmt: skip
 
 

@@ -71,6 +71,8 @@ def test_frozen():
         (dict(embedding_norm=1), "embedding_norm"),
         (dict(activation_dropout_rate=1.0), "activation_dropout_rate"),
         (dict(activation_dropout_rate="0.1"), "activation_dropout_rate"),
+        (dict(scale_attention_logits=0), "scale_attention_logits must be a bool"),
+        (dict(scale_decoder_output="yes"), "scale_decoder_output must be a bool"),
     ],
 )
 def test_invalid_config_names_the_field(kwargs, field):
