@@ -372,7 +372,10 @@ def _model_type_in(root: epath.Path) -> str | None:
     (its ``model_config.json``: pre-LN is mBART); None when neither is there."""
     config_path = root / "config.json"
     if config_path.is_file():
-        return json.loads(config_path.read_text()).get("model_type")
+        model_type = json.loads(config_path.read_text()).get("model_type")
+        if model_type is not None:
+            return model_type
+    # A workdir's config.json is train.py's run config, without a model_type.
     workdir_config = root / "model_config.json"
     if workdir_config.is_file():
         return model_type_of(TransformerConfig.from_json(workdir_config.read_text()))

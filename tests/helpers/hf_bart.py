@@ -129,3 +129,23 @@ def write_tokenizer(folder: Path) -> None:
     vocab = {t: i for i, t in enumerate(tokens())}
     tok = transformers.BartTokenizer(vocab=vocab, merges=[])
     tok.save_pretrained(str(folder))
+
+
+def model_sized_tokens() -> list[str]:
+    """A vocabulary by id that fits the model's VOCAB rows with ``<mask>`` in it: fairseq's four
+    specials, single characters, ``Ġ`` (byte-level BPE's space, so words split), the mBART
+    language code and ``<mask>`` last."""
+    base = tokens()
+    real = base[FIRST_REAL : VOCAB - 3]
+    return [*base[:FIRST_REAL], *real, "\u0120", LANGUAGE_CODE, "<mask>"]
+
+
+def write_model_sized_tokenizer(folder: Path) -> None:
+    """A BartTokenizer's files (:func:`model_sized_tokens`, no merges) in ``folder``: exactly
+    VOCAB ids, so every one has an embedding row (as in bart-base, whose 50,265 include
+    ``<mask>``)."""
+    transformers = pytest.importorskip("transformers", reason=_TRANSFORMERS)
+    vocab = {t: i for i, t in enumerate(model_sized_tokens())}
+    assert len(vocab) == VOCAB
+    tok = transformers.BartTokenizer(vocab=vocab, merges=[])
+    tok.save_pretrained(str(folder))

@@ -109,3 +109,32 @@ def padded_rows(rng, rows: int, length: int, vocab: int = VOCAB, min_len: int = 
         out[r, : n - 1] = rng.integers(2, vocab, size=n - 1)
         out[r, n - 1] = EOS
     return out
+
+
+TOKENIZER_WORDS = "the a cat dog house tree river green small old runs sees under over and with"
+
+
+def t5_tokenizer(folder, vocab_size: int = 34, seed: int = 0):
+    """A ``transformers.T5Tokenizer`` (pad 0, EOS 1, UNK 2, then the pieces; no extra ids) of
+    a unigram SentencePiece model of ``vocab_size`` pieces trained in ``folder`` on random
+    sentences of TOKENIZER_WORDS."""
+    import random
+
+    spm = pytest.importorskip("sentencepiece")
+    transformers = pytest.importorskip("transformers", reason=_TRANSFORMERS)
+    words = TOKENIZER_WORDS.split()
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) for _ in range(500)]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(folder / "spm"),
+        vocab_size=vocab_size,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+    )
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "spm.model"))
+    pieces = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    return transformers.T5Tokenizer(vocab=pieces, extra_ids=0)
