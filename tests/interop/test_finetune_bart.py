@@ -27,7 +27,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="the pretrained model is built with PyTorch")
 transformers = pytest.importorskip("transformers", reason="BartForConditionalGeneration")
 
-from test_finetune import (  # noqa: E402
+import train  # noqa: E402
+from flaxformer_lite.inference import export  # noqa: E402
+from flaxformer_lite.inference.translator import Translator, load_vocabularies  # noqa: E402
+from flaxformer_lite.interop import hf  # noqa: E402
+
+from helpers.finetune import (  # noqa: E402
     EN,
     eval_loss,
     final_params,
@@ -35,12 +40,6 @@ from test_finetune import (  # noqa: E402
     generated_pairs,
     write_data,
 )
-
-import train  # noqa: E402
-from flaxformer_lite.inference import export  # noqa: E402
-from flaxformer_lite.inference.translator import Translator, load_vocabularies  # noqa: E402
-from flaxformer_lite.interop import hf  # noqa: E402
-
 from helpers.hf_bart import EOS, VOCAB, random_bart, write_model_sized_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow

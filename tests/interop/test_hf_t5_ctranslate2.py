@@ -78,7 +78,7 @@ def converted(request, tokenizer, tmp_path_factory):
     model.save_pretrained(root / "hf")
     tokenizer.save_pretrained(str(root / "hf"))
     config, params, ours = hf.load_pretrained(str(root / "hf"))
-    texts = [" ".join(WORDS[i :: 3]) for i in range(3)] + ["the cat sees a tree"]
+    texts = [" ".join(WORDS[i::3]) for i in range(3)] + ["the cat sees a tree"]
     assert ours.encode(texts) == [tokenizer(t).input_ids for t in texts]
     assert (config.unk_id, ours.eos_id, ours.pad_id) == (2, EOS, PAD)
     hf.save_pretrained(str(root / "ours"), config, params, ours)  # the converter reads it

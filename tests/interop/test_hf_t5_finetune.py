@@ -23,7 +23,13 @@ torch = pytest.importorskip("torch", reason="the pretrained model is built with 
 transformers = pytest.importorskip("transformers", reason="T5ForConditionalGeneration")
 pytest.importorskip("sentencepiece")
 
-from interop.test_finetune import (  # noqa: E402
+import train  # noqa: E402
+from flaxformer_lite.inference import export  # noqa: E402
+from flaxformer_lite.inference.translator import Translator  # noqa: E402
+from flaxformer_lite.interop import hf, init_from  # noqa: E402
+from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
+
+from helpers.finetune import (  # noqa: E402
     EN,
     eval_loss,
     final_params,
@@ -31,13 +37,6 @@ from interop.test_finetune import (  # noqa: E402
     generated_pairs,
     write_data,
 )
-
-import train  # noqa: E402
-from flaxformer_lite.inference import export  # noqa: E402
-from flaxformer_lite.inference.translator import Translator  # noqa: E402
-from flaxformer_lite.interop import hf, init_from  # noqa: E402
-from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
-
 from helpers.hf_t5 import random_t5  # noqa: E402
 
 STEPS, MAX_NEW = 40, 8
