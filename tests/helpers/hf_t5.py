@@ -114,15 +114,15 @@ def padded_rows(rng, rows: int, length: int, vocab: int = VOCAB, min_len: int = 
 TOKENIZER_WORDS = "the a cat dog house tree river green small old runs sees under over and with"
 
 
-def t5_tokenizer(folder, vocab_size: int = 34, seed: int = 0):
+def t5_tokenizer(folder, vocab_size: int = 34, seed: int = 0, words: str = TOKENIZER_WORDS):
     """A ``transformers.T5Tokenizer`` (pad 0, EOS 1, UNK 2, then the pieces; no extra ids) of
     a unigram SentencePiece model of ``vocab_size`` pieces trained in ``folder`` on random
-    sentences of TOKENIZER_WORDS."""
+    sentences of ``words`` (space-separated)."""
     import random
 
     spm = pytest.importorskip("sentencepiece")
     transformers = pytest.importorskip("transformers", reason=_TRANSFORMERS)
-    words = TOKENIZER_WORDS.split()
+    words = words.split()
     rng = random.Random(seed)
     lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) for _ in range(500)]
     spm.SentencePieceTrainer.train(
