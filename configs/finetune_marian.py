@@ -7,9 +7,12 @@
 ``init_from`` is a Hugging Face Marian folder or hub id (or another train.py workdir): the
 model takes its architecture and weights (flaxformer_lite/interop/init_from.py), the data its
 tokenizer (copied into the workdir: source.spm, target.spm, vocab.json), so nothing is
-trained from scratch. ``config.model`` may change only the training fields
-(``init_from.TRAINING_FIELDS``: dropout, precision, remat, scan_layers ...); an architecture
-field set to another value than the pretrained one is refused by name before any work.
+trained from scratch. A BART or mBART folder works the same way with its own tokenizer (mBART:
+``--config.tokenizer_src_lang=en_XX --config.tokenizer_tgt_lang=de_DE`` unless its
+tokenizer_config.json names them; docs/hf_families.md). ``config.model`` may change only the
+training fields (``init_from.TRAINING_FIELDS``: dropout, precision, remat, scan_layers ...);
+an architecture field set to another value than the pretrained one is refused by name before
+any work.
 ``freeze`` names parameters to keep as they are, by regular expressions over their paths,
 e.g. ``--config.freeze='("encoder/.*", "source_embedding/.*")'`` to train the decoder only.
 Decoding follows Hugging Face's rules for these models (beam 4, length penalty 1.0, EOS
@@ -29,7 +32,7 @@ def get_config():
     c = base_config()
     c.task = "translation"
     c.init_from = placeholder(str)  # required: the pretrained model
-    c.tokenizer = c.get_ref("init_from")  # its Marian tokenizer (follows init_from)
+    c.tokenizer = c.get_ref("init_from")  # its own tokenizer (follows init_from)
     c.freeze = ()
     c.dataset = "bentrevett/multi30k"
     c.dataset_config = placeholder(str)

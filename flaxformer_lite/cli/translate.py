@@ -163,7 +163,8 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workdir",
         required=True,
-        help="train.py workdir to load, or a Hugging Face Marian folder or hub id",
+        help="train.py workdir to load, or a Hugging Face encoder-decoder folder or hub id "
+        "(Marian, BART, mBART, ...: with its tokenizer)",
     )
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument(

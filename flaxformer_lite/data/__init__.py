@@ -2,7 +2,8 @@
 
 ``reading`` (parallel text, TSV, JSON lines, hub datasets), ``tokenizer`` (SentencePiece),
 ``marian_tokenizer`` (a pretrained Marian model's) and ``hf_tokenizers`` (T5's, Llama's, BART's,
-mBART's, any ``tokenizer.json``), ``encoding`` (text to ids), ``batching``
+mBART's, any ``tokenizer.json``; ``hf_vocabulary``: an encoder-decoder's as the
+pipeline's two vocabularies), ``encoding`` (text to ids), ``batching``
 (length buckets, fixed shapes), ``packing`` (several examples per row), ``stream`` (the endless,
 resumable training stream), ``workdir`` (vocabularies and the token cache a run keeps),
 ``tasks/`` (one module per kind of run, and the registry that picks one).

@@ -23,11 +23,18 @@ TOO_LONG_POLICIES = ("truncate", "drop")
 Example = dict[str, np.ndarray]
 
 
-def _fit(ids: Sequence[int], max_len: int, eos_id: int) -> tuple[np.ndarray, bool]:
-    """``ids + [eos_id]`` as int32, cut to ``max_len`` keeping EOS last; also says if cut."""
-    cut = len(ids) + 1 > max_len
-    body = list(ids[: max_len - 1]) if cut else list(ids)
-    return np.asarray([*body, eos_id], dtype=np.int32), cut
+def _fit(ids: Sequence[int], max_len: int, suffix: Sequence[int]) -> tuple[np.ndarray, bool]:
+    """``ids + suffix`` as int32, cut to ``max_len`` keeping the suffix (EOS, ...) last; also
+    says if cut."""
+    cut = len(ids) + len(suffix) > max_len
+    body = list(ids[: max_len - len(suffix)]) if cut else list(ids)
+    return np.asarray([*body, *suffix], dtype=np.int32), cut
+
+
+def suffix_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """What ends each of ``tokenizer``'s sequences: its ``suffix_ids`` (a Hugging Face
+    tokenizer's, e.g. mBART's ``</s>`` and language code, see ``hf_vocabulary``), else its EOS."""
+    return tuple(getattr(tokenizer, "suffix_ids", None) or (tokenizer.eos_id,))
 
 
 def check_too_long(too_long: str) -> None:
@@ -47,25 +54,30 @@ def encode_pairs(
 ) -> list[Example]:
     """Tokenizes pairs into ``dict(inputs=[src_len], targets=[tgt_len])`` int32 examples.
 
-    Each side's tokenizer's EOS is appended to it. A pair with a side longer than ``max_len`` (EOS
-    included) is truncated (EOS kept last; ``stats.num_truncated``) or dropped
-    (``stats.num_too_long_dropped``) according to ``too_long``.
+    Each side's tokenizer's EOS (its :func:`suffix_ids`) is appended to it. A pair with a side
+    longer than ``max_len`` (EOS included) is truncated (EOS kept last; ``stats.num_truncated``)
+    or dropped (``stats.num_too_long_dropped``) according to ``too_long``.
     """
     check_too_long(too_long)
-    if max_len < 2:
-        raise ValueError(f"max_len must be >= 2 (one token plus EOS); got {max_len}")
+    src_suffix, tgt_suffix = suffix_ids(src_tokenizer), suffix_ids(tgt_tokenizer)
+    longest = max(len(src_suffix), len(tgt_suffix))
+    if max_len < longest + 1:
+        raise ValueError(
+            f"max_len must be >= {longest + 1} (one token plus EOS{', ...' * (longest > 1)}); "
+            f"got {max_len}"
+        )
     stats = stats if stats is not None else DataStats()
     sources = src_tokenizer.encode_batch([s for s, _ in pairs])
     targets = tgt_tokenizer.encode_batch([t for _, t in pairs])
     out = []
     for src_ids, tgt_ids in zip(sources, targets, strict=True):
-        if max(len(src_ids), len(tgt_ids)) + 1 > max_len:
+        if len(src_ids) + len(src_suffix) > max_len or len(tgt_ids) + len(tgt_suffix) > max_len:
             if too_long == "drop":
                 stats.num_too_long_dropped += 1
                 continue
             stats.num_truncated += 1
-        inputs, _ = _fit(src_ids, max_len, src_tokenizer.eos_id)
-        targets_, _ = _fit(tgt_ids, max_len, tgt_tokenizer.eos_id)
+        inputs, _ = _fit(src_ids, max_len, src_suffix)
+        targets_, _ = _fit(tgt_ids, max_len, tgt_suffix)
         out.append({"inputs": inputs, "targets": targets_})
     return out
 
@@ -82,7 +94,7 @@ def encode_labeled(
     encoded = tokenizer.encode_batch([text for text, _ in examples])
     out = []
     for ids, (_, label) in zip(encoded, examples, strict=True):
-        fitted, cut = _fit(ids, max_len, tokenizer.eos_id)
+        fitted, cut = _fit(ids, max_len, (tokenizer.eos_id,))
         stats.num_truncated += int(cut)
         out.append((fitted, int(label)))
     return out

@@ -205,7 +205,7 @@ class JsonTokenizer(HFTokenizer):
 
     def decode_batch(self, batch: Sequence[Iterable[int]]) -> list[str]:
         texts = self._tok.decode_batch([[int(i) for i in ids] for ids in batch], True)
-        if type(self._tok.model).__name__ == "BPE":  # transformers never cleans up BPE text
+        if not self.cleans_up:  # transformers never cleans up BPE text
             return texts
         return [self._clean_up(t) for t in texts]
 
@@ -218,6 +218,18 @@ class JsonTokenizer(HFTokenizer):
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def cleans_up(self) -> bool:
+        """Whether ``decode`` applies ``clean_up_tokenization`` (never to a BPE's text)."""
+        is_bpe = type(self._tok.model).__name__ == "BPE"
+        return not is_bpe and bool(self.config.get("clean_up_tokenization_spaces"))
+
+    def backend_json(self) -> str:
+        """The ``tokenizers`` pipeline as ``decode`` and (without special tokens) ``encode``
+        use it, config tokens added: a ``tokenizer.json`` that ``tokenizers`` alone reads
+        (a serving artifact's)."""
+        return self._tok.to_str()
 
     def saved_files(self) -> dict[str, bytes]:
         files = super().saved_files()

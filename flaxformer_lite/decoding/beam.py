@@ -90,19 +90,22 @@ def constrained_log_probs(
     forced_eos: bool = False,
     banned_ids: tuple[int, ...] = (),
     renormalize: bool = False,
+    forced_bos_id: int | None = None,
 ) -> jax.Array:
     """Next-token log-probs as Hugging Face's logits processors leave them for its beam search.
 
-    Banned ids get ``-inf``; with ``forced_eos``, for a batch element whose ``length`` reaches
-    its limit, every id gets ``-inf`` but EOS, which costs 0. Nothing is renormalised unless
-    ``renormalize`` (Hugging Face's ``LogitNormalization``, its last processor: a
-    ``log_softmax`` over the constrained values).
+    Banned ids get ``-inf``; with ``forced_bos_id``, at ``length`` 1 every id gets ``-inf`` but
+    that one, which costs 0 (``ForcedBOSTokenLogitsProcessor``); with ``forced_eos``, for a
+    batch element whose ``length`` reaches its limit, every id gets ``-inf`` but EOS, which
+    costs 0. Nothing is renormalised unless ``renormalize`` (Hugging Face's
+    ``LogitNormalization``, its last processor: a ``log_softmax`` over the constrained
+    values).
 
     Args:
       step_log_probs: float ``[batch, beam, vocab]`` the model's next-token log-probs.
       length: int (0-d), tokens in a hypothesis once this step's token is appended.
       limits: int ``[batch]`` per-element token limits.
-      eos_id, forced_eos, banned_ids, renormalize: as in :func:`beam_search`.
+      eos_id, forced_eos, banned_ids, renormalize, forced_bos_id: as in :func:`beam_search`.
 
     Returns:
       ``[batch, beam, vocab]``, the dtype of ``step_log_probs``.
@@ -112,6 +115,9 @@ def constrained_log_probs(
     banned = _banned_mask(banned_ids, vocab)
     if banned is not None:
         logp = jnp.where(banned, -jnp.inf, logp)
+    if forced_bos_id is not None:  # before forced EOS, which wins at a limit of 1 (as in HF)
+        only_bos = jnp.where(jnp.arange(vocab) == forced_bos_id, 0.0, -jnp.inf).astype(logp.dtype)
+        logp = jnp.where(jnp.asarray(length) == 1, only_bos, logp)
     if forced_eos:
         only_eos = jnp.where(jnp.arange(vocab) == eos_id, 0.0, -jnp.inf).astype(logp.dtype)
         logp = jnp.where((length >= limits)[:, None, None], only_eos, logp)
@@ -130,6 +136,7 @@ def select_candidates(
     forced_eos: bool = False,
     banned_ids: tuple[int, ...] = (),
     renormalize: bool = False,
+    forced_bos_id: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The best ``2 * beam`` one-token extensions of the live beams, over all ``beam * vocab``.
 
@@ -145,7 +152,7 @@ def select_candidates(
       step_log_probs: float32 ``[batch, beam, vocab]`` the model's next-token log-probs.
       length: int (0-d), tokens in a candidate (this step's token included).
       limits: int ``[batch]`` per-element token limits.
-      eos_id, forced_eos, banned_ids, renormalize: as in :func:`beam_search`.
+      eos_id, forced_eos, banned_ids, renormalize, forced_bos_id: as in :func:`beam_search`.
 
     Returns:
       ``(log_probs, parents, tokens)``, each ``[batch, n]`` with ``n = min(2 * beam, beam *
@@ -166,6 +173,7 @@ def select_candidates(
         forced_eos=forced_eos,
         banned_ids=banned_ids,
         renormalize=renormalize,
+        forced_bos_id=forced_bos_id,
     )
     cand = (live_log_probs[:, :, None] + logp).reshape(batch, beam * vocab)
     log_probs, flat_index = lax.top_k(cand, min(2 * beam, beam * vocab))  # sorted
@@ -514,6 +522,7 @@ def beam_search(
     banned_ids: tuple[int, ...] = (),
     reorder_cache: Callable[[PyTree, jax.Array], PyTree] | None = None,
     renormalize: bool = False,
+    forced_bos_id: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with live and finished hypotheses kept apart, under GNMT's rules (the
     default) or those of Hugging Face's ``generate(num_beams=beam_size)``.
@@ -580,6 +589,8 @@ def beam_search(
         of the banned ids is simply lost, as in ``generate``'s default.
       reorder_cache: optional ``(cache, parents) -> cache``, see above (None: tile and gather
         every leaf).
+      forced_bos_id: static; every hypothesis's first token is this id, at a cost of 0
+        (Hugging Face's ``forced_bos_token_id``: mBART's target language code); None: none.
 
     Returns:
       ``(sequences, scores)``: int32 ``[batch_size, beam_size, max_len]`` and float32
@@ -637,6 +648,7 @@ def beam_search(
             forced_eos=forced_eos,
             banned_ids=banned_ids,
             renormalize=renormalize,
+            forced_bos_id=forced_bos_id,
         )
         cand_seqs = candidate_sequences(state["live_seqs"], cand_parent, cand_tok, step)
 

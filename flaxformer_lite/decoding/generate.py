@@ -165,6 +165,7 @@ def _search(
         row_max_len=row_max_len,
         forced_eos=g.forced_eos,
         banned_ids=g.banned_ids,
+        forced_bos_id=g.forced_bos_id,
     )
     if g.method == "greedy":
         return search.greedy_search(

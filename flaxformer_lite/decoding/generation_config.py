@@ -182,6 +182,10 @@ class GenerationConfig:
         how ``DecoderOnly`` is trained on data without BOS) or feeds the prompt ids as they
         are (False: Hugging Face's ``generate``, whose tokenizers add BOS themselves;
         :meth:`from_hugging_face` sets it). ``generate`` (an EncoderDecoder) ignores it.
+      forced_bos_id: every row's first generated token is this id (Hugging Face's
+        ``forced_bos_token_id``: ``<s>`` in bart-large, the target language code in mBART-50;
+        in beam search it costs 0); None: no token forced. Sources only (``generate``), not
+        prompt continuations.
     """
 
     method: str = "greedy"
@@ -198,6 +202,7 @@ class GenerationConfig:
     forced_eos: bool = False
     banned_ids: tuple[int, ...] = ()
     prepend_bos: bool = True
+    forced_bos_id: int | None = None
 
     def __post_init__(self) -> None:
         def store(name: str, value: Any) -> None:  # normalised: equal configs hash alike
@@ -261,6 +266,13 @@ class GenerationConfig:
             )
         store("banned_ids", ids)
         _check_bool("prepend_bos", self.prepend_bos)
+        if self.forced_bos_id is not None:
+            if not _is_int(self.forced_bos_id) or self.forced_bos_id < 0:
+                raise ValueError(
+                    "forced_bos_id must be None (no forced first token) or a token id (an int "
+                    f">= 0); got {self.forced_bos_id!r}"
+                )
+            store("forced_bos_id", int(self.forced_bos_id))
 
     # ------------------------------------------------------------------ against a model
 
@@ -284,6 +296,18 @@ class GenerationConfig:
         else:
             check_decode_len(model_config, self.max_len, prompt_len, bos=self.prepend_bos)
         vocab = model_config.output_vocab_size
+        if self.forced_bos_id is not None:
+            if prompt_len is not None:
+                raise ValueError(
+                    f"forced_bos_id={self.forced_bos_id} forces the first token after the "
+                    "decoder start of a source's translation; a prompt continuation has none: "
+                    "leave forced_bos_id=None"
+                )
+            if self.forced_bos_id >= vocab:
+                raise ValueError(
+                    f"forced_bos_id must be a token id in [0, {vocab}) (the output vocabulary); "
+                    f"got {self.forced_bos_id}"
+                )
         if any(i >= vocab for i in self.banned_ids):
             raise ValueError(
                 f"banned_ids must be a sequence of token ids (ints in [0, {vocab})); got "
@@ -417,7 +441,8 @@ class GenerationConfig:
         """How ``MarianMTModel.generate()`` with no arguments decodes a Hugging Face folder (or
         hub id), or a generation config dict (``generation_config.json``'s fields): greedy
         unless ``num_beams`` > 1; Hugging Face's beam rules with ``alpha = length_penalty``
-        (default 1.0) and its ``early_stopping``; ``max_new_tokens``, else ``max_length`` - 1,
+        (default 1.0) and its ``early_stopping``; the first token forced to
+        ``forced_bos_token_id`` when set; ``max_new_tokens``, else ``max_length`` - 1,
         else 20 tokens for every row (:func:`hf_generation.generate_new_tokens`); EOS forced at
         the limit when ``forced_eos_token_id`` is the model's EOS; the single-token
         ``bad_words_ids`` banned; ``renormalize_logits``; prompts fed as they are
@@ -456,6 +481,7 @@ class GenerationConfig:
             forced_eos=defaults.get("forced_eos_token_id") == model_config.eos_id,
             banned_ids=tuple(sorted(single - {model_config.eos_id})),
             prepend_bos=False,  # generate() feeds the ids it is given (tokenizers add BOS)
+            forced_bos_id=defaults.get("forced_bos_token_id"),
         ).checked_for(model_config)
 
 

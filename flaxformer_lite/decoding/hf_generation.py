@@ -114,8 +114,9 @@ def generate_new_tokens(defaults: Mapping[str, Any], config: TransformerConfig) 
 def unsupported_generation(defaults: Mapping[str, Any], config: TransformerConfig) -> list[str]:
     """The generation ``defaults`` that our searches cannot follow (empty when none): sampling,
     group beam search, repetition penalties and n-gram bans, minimum lengths, multi-token
-    ``bad_words_ids``, a forced first token, token suppression, sequence biases, and a forced
-    EOS other than the model's."""
+    ``bad_words_ids``, token suppression, sequence biases, an exponential length decay, and a
+    forced EOS other than the model's (a forced first token, ``forced_bos_token_id``, is
+    ``GenerationConfig.forced_bos_id``)."""
     neutral = {
         "do_sample": (False,),
         "num_beam_groups": (1,),
@@ -135,9 +136,9 @@ def unsupported_generation(defaults: Mapping[str, Any], config: TransformerConfi
         for k, v in neutral.items()
         if defaults.get(k) is not None and defaults[k] not in v
     ]
-    for k in ("forced_bos_token_id", "exponential_decay_length_penalty"):
-        if defaults.get(k) is not None:
-            problems.append(f"{k}={defaults[k]!r} (supported: unset)")
+    if defaults.get("exponential_decay_length_penalty") is not None:
+        value = defaults["exponential_decay_length_penalty"]
+        problems.append(f"exponential_decay_length_penalty={value!r} (supported: unset)")
     forced = defaults.get("forced_eos_token_id")
     if forced is not None and forced != config.eos_id:
         problems.append(f"forced_eos_token_id={forced!r} (supported: eos_id={config.eos_id})")

@@ -299,12 +299,15 @@ def _decode_loop(
     row_max_len: jax.Array | None,
     forced_eos: bool,
     banned_ids: tuple[int, ...],
+    forced_bos_id: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Single-hypothesis decoding loop shared by greedy search and sampling.
 
     ``choose(logits, step) -> int32 [batch]`` picks the next token from float logits
     ``[batch, vocab]`` (already cast to the working dtype, ``banned_ids`` at the dtype's
-    lowest value); with ``forced_eos`` a row's token at its limit is EOS whatever it picks.
+    lowest value); with ``forced_bos_id`` every row's first token is that id, and with
+    ``forced_eos`` a row's token at its limit is EOS whatever it picks (EOS wins when both
+    fall on one step, as in Hugging Face's processor order).
     Returns tokens ``[batch, max_len]`` and the summed model log-probs ``[batch]``.
     """
     _check_positive_int("batch_size", batch_size)
@@ -331,6 +334,8 @@ def _decode_loop(
         if banned is not None:  # finfo.min, not -inf: a sampling row never becomes all -inf
             logits = jnp.where(banned, jnp.finfo(logits.dtype).min, logits)
         nxt = choose(logits, step).astype(jnp.int32)
+        if forced_bos_id is not None:
+            nxt = jnp.where(step == 0, forced_bos_id, nxt)
         if forced_eos:
             nxt = jnp.where(step == limits - 1, eos_id, nxt)
         nxt = jnp.where(finished, pad_id, nxt)
@@ -365,6 +370,7 @@ def greedy_search(
     row_max_len: jax.Array | None = None,
     forced_eos: bool = False,
     banned_ids: tuple[int, ...] = (),
+    forced_bos_id: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Greedy (argmax) decoding.
 
@@ -384,6 +390,8 @@ def greedy_search(
         (Hugging Face's ``forced_eos_token_id``).
       banned_ids: static ids never generated (single-token ``bad_words_ids``); not
         ``eos_id``.
+      forced_bos_id: static; every row's first generated token is this id (Hugging Face's
+        ``forced_bos_token_id``: mBART's target language code); None: none forced.
 
     Returns:
       ``(tokens, log_probs)``: int32 ``[batch_size, max_len]`` generated tokens (EOS
@@ -408,6 +416,7 @@ def greedy_search(
         row_max_len=row_max_len,
         forced_eos=forced_eos,
         banned_ids=banned_ids,
+        forced_bos_id=forced_bos_id,
     )
 
 
@@ -463,6 +472,7 @@ def sample(
     row_max_len: jax.Array | None = None,
     forced_eos: bool = False,
     banned_ids: tuple[int, ...] = (),
+    forced_bos_id: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) filtering.
 
@@ -485,8 +495,8 @@ def sample(
       pad_id: id written after EOS.
       bos_id: default first input.
       row_max_len: optional int ``[batch_size]`` per-row limits, as in :func:`greedy_search`.
-      forced_eos, banned_ids: token constraints, as in :func:`greedy_search` (banned ids are
-        never sampled).
+      forced_eos, banned_ids, forced_bos_id: token constraints, as in :func:`greedy_search`
+        (banned ids are never sampled).
 
     Returns:
       ``(tokens, log_probs)``: int32 ``[batch_size, max_len]`` and float32 ``[batch_size]``
@@ -530,4 +540,5 @@ def sample(
         row_max_len=row_max_len,
         forced_eos=forced_eos,
         banned_ids=banned_ids,
+        forced_bos_id=forced_bos_id,
     )

@@ -63,6 +63,9 @@ RUNTIME_FILE = "runtime.py"
 SPM_SHARED = {"source": "spm_shared.model", "target": "spm_shared.model"}
 SPM_SEPARATE = {"source": "spm_src.model", "target": "spm_tgt.model"}
 MARIAN = {"source": "source.spm", "target": "target.spm", "vocab": "vocab.json"}
+# A Hugging Face encoder-decoder's own tokenizer (BART, mBART ...): its ``tokenizers`` pipeline,
+# written by the export (``hf_json_tokenizer.JsonTokenizer.backend_json``).
+HF_TOKENIZER = {"source": "tokenizer.json", "target": "tokenizer.json"}
 
 
 def flatten_params(params: Any) -> dict[str, np.ndarray]:
@@ -79,14 +82,18 @@ def flatten_params(params: Any) -> dict[str, np.ndarray]:
 
 
 def vocabulary_files(directory: str) -> tuple[str, dict[str, str]]:
-    """(kind, {role: file name}) of the vocabulary in ``directory``: "spm" for a ``train.py``
-    workdir's SentencePiece model(s), "marian" for a Hugging Face Marian folder (with
-    ``target_vocab`` when its ``tokenizer_config.json`` says ``separate_vocabs``).
+    """(kind, {role: file name}) of the vocabulary in ``directory``: "hf" for the tokenizer of
+    a Hugging Face encoder-decoder other than Marian (a folder, or a workdir fine-tuned from
+    one: ``hf_tokenizer.json``), "spm" for a ``train.py`` workdir's SentencePiece model(s),
+    "marian" for a Hugging Face Marian folder (with ``target_vocab`` when its
+    ``tokenizer_config.json`` says ``separate_vocabs``).
 
     Raises:
       FileNotFoundError: none of the layouts is complete (the expected names are listed).
     """
     root = paths.resolve(directory)
+    if _hf_model_type(root) is not None:
+        return "hf", dict(HF_TOKENIZER)
     for kind, files in (("spm", SPM_SHARED), ("spm", SPM_SEPARATE), ("marian", MARIAN)):
         if all((root / name).is_file() for name in files.values()):
             files = dict(files)
@@ -99,6 +106,59 @@ def vocabulary_files(directory: str) -> tuple[str, dict[str, str]]:
         f"no exportable vocabulary in {directory}: expected spm_shared.model, spm_src.model + "
         "spm_tgt.model (train.py workdir) or source.spm + target.spm + vocab.json (Marian)"
     )
+
+
+def _hf_model_type(root: Any) -> str | None:
+    """The family of the Hugging Face tokenizer in ``root`` (a workdir's ``hf_tokenizer.json``,
+    or a model folder's ``config.json`` of a family with one, Marian aside); else None."""
+    from flaxformer_lite.data import hf_vocabulary
+    from flaxformer_lite.data.hf_tokenizers import MODEL_TYPES
+
+    if (root / hf_vocabulary.MARKER).is_file():
+        return json.loads((root / hf_vocabulary.MARKER).read_text())["model_type"]
+    if _is_hf_dir(root):
+        model_type = json.loads((root / "config.json").read_text()).get("model_type")
+        return model_type if model_type in MODEL_TYPES else None
+    return None
+
+
+def _hf_vocabulary(vocabulary_dir: str, config: TransformerConfig) -> dict[str, Any]:
+    """The artifact's ``tokenizer.json`` text and what the runtime puts around it (the
+    manifest's ``hf_tokenizer``) for the Hugging Face tokenizer in ``vocabulary_dir``.
+
+    Raises:
+      ValueError: a tokenizer without a ``tokenizers`` pipeline (SentencePiece-based), which
+        the runtime cannot read.
+    """
+    from flaxformer_lite.data import hf_vocabulary
+    from flaxformer_lite.data.hf_json_tokenizer import JsonTokenizer
+    from flaxformer_lite.data.hf_tokenizers import load_hf_tokenizer
+
+    root = paths.resolve(vocabulary_dir)
+    if (root / hf_vocabulary.MARKER).is_file():
+        source = hf_vocabulary.load_workdir_vocabularies(vocabulary_dir)[0]
+    else:
+        tokenizer = load_hf_tokenizer(vocabulary_dir, _hf_model_type(root))
+        if tokenizer is None:
+            raise FileNotFoundError(f"no tokenizer files in {vocabulary_dir}")
+        source = hf_vocabulary.vocabularies(
+            tokenizer, vocab_size=config.vocab_size, decoder_start_id=config.bos_id
+        )[0]
+    if not isinstance(source.tokenizer, JsonTokenizer):
+        raise ValueError(
+            f"the {source.tokenizer.model_type} tokenizer in {vocabulary_dir} is "
+            f"{type(source.tokenizer).__name__} (SentencePiece); the serving runtime reads "
+            "tokenizer.json pipelines only: save the folder's tokenizer with transformers as "
+            "tokenizer.json first"
+        )
+    return {
+        "json": source.tokenizer.backend_json(),
+        "manifest": {
+            "source_prefix": list(source.prefix_ids),
+            "source_suffix": list(source.suffix_ids),
+            "clean_up": source.tokenizer.cleans_up,
+        },
+    }
 
 
 def _one_device_mesh() -> jax.sharding.Mesh:
@@ -241,6 +301,7 @@ def export_model(
     generation = resolve(generation, overrides, DEFAULT_GENERATION)
     traced, per_row_limit = exported_generation(generation, config)
     kind, files = vocabulary_files(vocabulary_dir)
+    hf_tokenizer = _hf_vocabulary(vocabulary_dir, config) if kind == "hf" else None
     params = jax.tree_util.tree_map(np.asarray, params)
     exported = export_function(params, config, traced, platforms=platforms)
     out = Path(out_dir)
@@ -248,8 +309,11 @@ def export_model(
     (out / serving_runtime.EXPORTED).write_bytes(exported.serialize())
     np.savez(out / serving_runtime.PARAMS, **flatten_params(params))
     vocab_root = paths.resolve(vocabulary_dir)
-    for name in set(files.values()):
-        (out / name).write_bytes((vocab_root / name).read_bytes())
+    if hf_tokenizer is not None:
+        (out / HF_TOKENIZER["source"]).write_text(hf_tokenizer["json"], encoding="utf-8")
+    else:
+        for name in set(files.values()):
+            (out / name).write_bytes((vocab_root / name).read_bytes())
     shutil.copyfile(serving_runtime.__file__, out / RUNTIME_FILE)
     options = (_BEAM_OPTIONS if traced.method == "beam" else ()) + _CONSTRAINTS
     manifest = {
@@ -284,6 +348,11 @@ def export_model(
         "versions": _versions(),
         "requirements": requirements(),
     }
+    if hf_tokenizer is not None:
+        from importlib import metadata
+
+        manifest["hf_tokenizer"] = hf_tokenizer["manifest"]
+        manifest["requirements"].append(f"tokenizers=={metadata.version('tokenizers')}")
     (out / serving_runtime.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     (out / "README.md").write_text(_readme(manifest))
     return manifest
@@ -362,8 +431,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--workdir",
         required=True,
-        help="train.py workdir, Hugging Face Marian folder, or Hugging Face Llama folder "
-        "(a prompt-continuation artifact)",
+        help="train.py workdir, Hugging Face Marian / BART folder, or Hugging Face Llama "
+        "folder (a prompt-continuation artifact)",
     )
     parser.add_argument("--out", required=True, help="output folder (local)")
     parser.add_argument(

@@ -28,7 +28,10 @@ An artifact folder holds::
   vocabulary files    ``spm_shared.model`` or ``spm_src.model`` + ``spm_tgt.model`` (kind
                       "spm": ids are SentencePiece ids), or ``source.spm`` + ``target.spm`` +
                       ``vocab.json`` (kind "marian": pieces map to ``vocab.json`` ids, unknown
-                      pieces to ``<unk>``, as Hugging Face's ``MarianTokenizer`` maps them).
+                      pieces to ``<unk>``, as Hugging Face's ``MarianTokenizer`` maps them), or
+                      ``tokenizer.json`` (kind "hf": a BART-like model's own tokenizer through
+                      the ``tokenizers`` package, the manifest's ``hf_tokenizer`` giving the
+                      ids around each source).
 
 The exported program runs on any batch size and source length without tracing the model again,
 but XLA compiles a program for each concrete input shape it sees. :meth:`ServingModel.translate`
@@ -148,6 +151,41 @@ class MarianVocabulary:
         return self.joiner.decode_pieces(pieces).replace("\u2581", " ").strip()
 
 
+# transformers' clean_up_tokenization (as flaxformer_lite.data.hf_tokenizer_base, repeated here).
+_CLEAN_UP = (
+    (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+    (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+)  # fmt: skip
+
+
+class HFVocabulary:
+    """A Hugging Face tokenizer's ``tokenizer.json`` through ``tokenizers`` (kind "hf"):
+    ``encode`` gives ``prefix`` and the text's ids (the caller appends the source suffix),
+    ``decode`` the text with special tokens skipped, cleaned up as transformers does when
+    ``clean_up``."""
+
+    def __init__(self, path: str, prefix: Sequence[int], clean_up: bool) -> None:
+        try:
+            import tokenizers
+        except ImportError as e:
+            raise ImportError(
+                "this artifact's vocabulary needs the tokenizers package: pip install tokenizers"
+            ) from e
+        self.tokenizer = tokenizers.Tokenizer.from_file(path)
+        self.prefix = [int(i) for i in prefix]
+        self.clean_up = bool(clean_up)
+
+    def encode(self, text: str) -> list[int]:
+        return [*self.prefix, *self.tokenizer.encode(text, add_special_tokens=False).ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+        if self.clean_up:
+            for before, after in _CLEAN_UP:
+                text = text.replace(before, after)
+        return text
+
+
 def load_vocabularies(root: str, manifest: dict[str, Any]) -> tuple[Any, Any]:
     """(source, target) vocabularies of the artifact in ``root`` as ``manifest`` names them."""
     files = manifest["vocabulary_files"]
@@ -155,6 +193,12 @@ def load_vocabularies(root: str, manifest: dict[str, Any]) -> tuple[Any, Any]:
         source = SpmVocabulary(os.path.join(root, files["source"]))
         same = files["target"] == files["source"]
         return source, source if same else SpmVocabulary(os.path.join(root, files["target"]))
+    if manifest["vocabulary"] == "hf":
+        hf = manifest["hf_tokenizer"]
+        vocab = HFVocabulary(
+            os.path.join(root, files["source"]), hf["source_prefix"], hf["clean_up"]
+        )
+        return vocab, vocab
     if manifest["vocabulary"] == "marian":
         vocabs = {}
         for role in ("vocab", "target_vocab"):
@@ -179,7 +223,7 @@ def load_vocabularies(root: str, manifest: dict[str, Any]) -> tuple[Any, Any]:
             ),
         )
     raise ValueError(
-        f"manifest vocabulary must be 'spm' or 'marian'; got {manifest['vocabulary']!r}"
+        f"manifest vocabulary must be 'spm', 'marian' or 'hf'; got {manifest['vocabulary']!r}"
     )
 
 
@@ -223,6 +267,10 @@ class ServingModel:
         self.max_len = int(self.manifest["max_len"])
         self.per_row_limit = bool(self.manifest.get("per_row_limit", True))
         self.max_source_len = int(self.manifest["max_source_len"])
+        # What ends a source: EOS, or a Hugging Face family's suffix (mBART: EOS, language).
+        hf = self.manifest.get("hf_tokenizer") or {}
+        self.source_suffix = [int(i) for i in hf.get("source_suffix", [self.eos_id])]
+        self._prefix_len = len(hf.get("source_prefix", ()))
 
     def __call__(
         self, source_ids: np.ndarray, row_max_len: np.ndarray | None = None
@@ -255,13 +303,14 @@ class ServingModel:
         return max(1, min(self.max_len, int(source_len * 1.5) + 10))
 
     def encode(self, text: str) -> list[int] | None:
-        """Source ids with EOS appended (truncated to ``max_source_len``); None when empty.
-        Runs of whitespace become one space first, as in training."""
+        """Source ids with EOS (``source_suffix``) appended (truncated to ``max_source_len``);
+        None when empty. Runs of whitespace become one space first, as in training."""
         text = " ".join(str(text).split())
         ids = self.source_vocab.encode(text) if text else []
-        if not ids:
+        if len(ids) <= self._prefix_len:
             return None
-        return [*ids[: self.max_source_len - 1], self.eos_id]
+        suffix = self.source_suffix
+        return [*ids[: self.max_source_len - len(suffix)], *suffix]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of generated ids: up to the first EOS, PAD and the decoder start dropped

@@ -97,14 +97,19 @@ class Vocabulary(Protocol):
 
 
 def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
-    """(source, target) vocabularies saved in ``workdir`` by ``train.py`` (one object if shared).
+    """(source, target) vocabularies saved in ``workdir`` by ``train.py`` (one object if shared):
+    a Hugging Face model's tokenizer (``hf_tokenizer.json`` beside its files), Marian's, the
+    run's SentencePiece models or the synthetic task's symbols.
 
     Raises:
       FileNotFoundError: none of the vocabulary files is there (their names are listed).
     """
+    from flaxformer_lite.data import hf_vocabulary
     from flaxformer_lite.data.tokenizer import Tokenizer  # sentencepiece: only when needed
 
     root = epath.Path(workdir)
+    if (root / hf_vocabulary.MARKER).is_file():  # fine-tuned from a BART, mBART, T5 ... folder
+        return hf_vocabulary.load_workdir_vocabularies(workdir)
     if all((root / name).is_file() for name in ("source.spm", "target.spm", "vocab.json")):
         from flaxformer_lite.data.marian_tokenizer import MarianTokenizer  # a fine-tuned Marian run
 
@@ -365,14 +370,22 @@ class Translator:
         config, params, tokenizer = hf.load_pretrained(source)
         if tokenizer is None:
             raise FileNotFoundError(
-                f"{source} has no tokenizer (source.spm, target.spm, vocab.json); the "
-                "Translator needs one"
+                f"{source} has no tokenizer (Marian: source.spm, target.spm, vocab.json; "
+                "others: tokenizer.json or the family's files); the Translator needs one"
+            )
+        if hasattr(tokenizer, "source"):  # Marian's: two sides over one vocab.json
+            source_vocab, target_vocab = tokenizer.source, tokenizer.target
+        else:  # a BART, mBART, T5 ... tokenizer: the model's sizes and decoder start
+            from flaxformer_lite.data.hf_vocabulary import vocabularies
+
+            source_vocab, target_vocab = vocabularies(
+                tokenizer, vocab_size=config.vocab_size, decoder_start_id=config.bos_id
             )
         return cls(
             params,
             config,
-            tokenizer.source,
-            tokenizer.target,
+            source_vocab,
+            target_vocab,
             generation=generation,
             name=str(source),
             mesh=mesh,
@@ -389,24 +402,28 @@ class Translator:
         return self.config.max_len
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int] | None], int]:
-        """Source ids (``config.eos_id`` appended, truncated to ``max_source_len``) or None for
-        empty lines.
+        """Source ids (``config.eos_id`` appended, or the source vocabulary's ``suffix_ids``,
+        e.g. mBART's EOS and language code; truncated to ``max_source_len``) or None for empty
+        lines.
 
         Returns the ids and how many lines were truncated. Whitespace is normalised as in
         training (runs of any whitespace become one space).
         """
         ids: list[list[int] | None] = []
         truncated = 0
+        suffix = list(getattr(self.source_vocab, "suffix_ids", None) or [self.config.eos_id])
+        # A text's own ids: what a prefix (BART's <s>) leaves of an empty text's are none.
+        prefix = len(getattr(self.source_vocab, "prefix_ids", ()))
         for text in sentences:
             text = " ".join(str(text).split())
             tokens = self.source_vocab.encode(text) if text else []
-            if not tokens:
+            if len(tokens) <= prefix:
                 ids.append(None)
                 continue
-            if len(tokens) + 1 > self.max_source_len:
-                tokens = tokens[: self.max_source_len - 1]
+            if len(tokens) + len(suffix) > self.max_source_len:
+                tokens = tokens[: self.max_source_len - len(suffix)]
                 truncated += 1
-            ids.append([*tokens, self.config.eos_id])
+            ids.append([*tokens, *suffix])
         return ids, truncated
 
     def _warn_truncated(self, truncated: int, total: int) -> None:

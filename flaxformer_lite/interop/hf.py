@@ -4,10 +4,10 @@
     save_pretrained("out/", config, params, tokenizer)  # transformers / CTranslate2 read it
 
 ``load_pretrained`` reads ``config.json``'s ``model_type`` and hands the folder to that
-family's module beside this one (``FAMILIES``: ``marian``, ``llama``, ...), which knows the family's
-config fields, its parameter names (as ``naming.Tensor`` rows: one map read both ways) and its
-tokenizer. ``save_pretrained`` writes a config as the one family that can express it (or the
-``model_type`` asked for).
+family's module beside this one (``FAMILIES``: ``marian``, ``bart`` for BART and mBART,
+``llama``, ...), which knows the family's config fields, its parameter names (as
+``naming.Tensor`` rows: one map read both ways) and its tokenizer. ``save_pretrained`` writes a
+config as the one family that can express it (or the ``model_type`` asked for).
 
 Reading needs neither torch nor transformers: ``config.json`` is JSON, ``model.safetensors``
 reads into NumPy (a ``pytorch_model.bin`` needs torch).
@@ -37,7 +37,7 @@ from flaxformer_lite.decoding.hf_generation import (  # noqa: F401  (defined her
     generation_defaults,
     unsupported_generation,
 )
-from flaxformer_lite.interop import llama, marian
+from flaxformer_lite.interop import bart, llama, marian, t5
 from flaxformer_lite.interop.marian import (  # noqa: F401  (defined here before)
     FROM_HF_ACTIVATION,
     TO_HF_ACTIVATION,
@@ -51,7 +51,9 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 # params_from_state_dict(state, config), state_dict_from_params(plain params, config),
 # generation_ids(config) and default_generation(config) (generation_config.json's special ids,
 # and its content when none is given), load_tokenizer(root) -> tokenizer | None.
-FAMILY_MODULES: tuple[ModuleType, ...] = (marian, llama)
+# Optionally config_from_state(config, state) -> config: what config.json leaves to the
+# weights (T5's lm_head, tied or not), applied by load_pretrained and load_config.
+FAMILY_MODULES: tuple[ModuleType, ...] = (marian, bart, llama, t5)
 FAMILIES: dict[str, ModuleType] = {t: f for f in FAMILY_MODULES for t in f.MODEL_TYPES}
 
 Params = dict[str, Any]
@@ -261,8 +263,33 @@ def load_pretrained(path_or_repo_id: str) -> tuple[TransformerConfig, Params, An
     family = family_of(hf)
     tokenizer = family.load_tokenizer(root)
     config = family.config_from_hf(hf, unk_id=tokenizer.unk_id if tokenizer is not None else None)
-    params = family.params_from_state_dict(read_state_dict(root), config)
+    state = read_state_dict(root)
+    if hasattr(family, "config_from_state"):
+        config = family.config_from_state(config, state)
+    params = family.params_from_state_dict(state, config)
     return config, params, tokenizer
+
+
+def load_config(path_or_repo_id: str) -> TransformerConfig:
+    """The ``TransformerConfig`` ``load_pretrained`` gives, without its parameters: from
+    ``config.json`` (and the weights, for a family whose config.json leaves a choice to them,
+    e.g. T5's untied ``lm_head``).
+
+    Raises:
+      FileNotFoundError: no such folder or repository, or no config.json.
+      ValueError: an unsupported ``model_type`` or config field (named).
+    """
+    root = resolve(path_or_repo_id)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {root}: is it a Hugging Face model folder?")
+    hf = json.loads(config_path.read_text())
+    family = family_of(hf)
+    tokenizer = family.load_tokenizer(root)
+    config = family.config_from_hf(hf, unk_id=tokenizer.unk_id if tokenizer is not None else None)
+    if hasattr(family, "config_from_state"):
+        config = family.config_from_state(config, read_state_dict(root))
+    return config
 
 
 def _generation_to_save(
@@ -369,7 +396,7 @@ def export_workdir(
     model (an EncoderDecoder, or a DecoderOnly for a ``DECODER_ONLY`` family such as Llama):
     its ``model_config.json``, the
     parameters of checkpoint ``step`` (default the latest; ``average`` > 1: the mean of that
-    many last checkpoints) and, when the workdir holds them, its Marian tokenizer and the
+    many last checkpoints) and, when the workdir holds them, its tokenizer and the
     ``generation_config.json`` of the folder it was fine-tuned from (every field kept).
     ``dequantize``: an int8 model is written dequantized (see ``save_pretrained``).
 
@@ -416,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m flaxformer_lite.interop.hf",
-        description="Write a train.py workdir as a Hugging Face model folder (Marian, Llama).",
+        description="Write a train.py workdir as a Hugging Face model folder ("
+        + ", ".join(f.NAME for f in FAMILY_MODULES)
+        + ").",
     )
     parser.add_argument("--workdir", required=True, help="train.py workdir (local or gs://)")
     parser.add_argument("--out", required=True, help="output folder (local or gs://)")
@@ -426,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dequantize",
         action="store_true",
         help="write an int8 model (quantization='int8') as float32 q * scale weights "
-        "(Marian has no int8 weights; without this flag an int8 model is refused)",
+        "(Hugging Face models have no int8 weights; without this flag an int8 model is refused)",
     )
     args = parser.parse_args(argv)
     if args.average < 1:

@@ -47,6 +47,9 @@ ARCHITECTURE_FIELDS = (
     # Llama family (interop/llama.py).
     " rope_theta rope_scaling_factor rope_low_freq_factor rope_high_freq_factor"
     " rope_original_max_len qkv_bias"
+    " learned_position_offset embedding_norm"  # BART / mBART
+    # T5 (interop/t5.py).
+    " scale_attention_logits scale_decoder_output"
 ).split()
 # Fields of training, storage or execution: the same parameters compute the same function
 # (up to the precision of dtype / param_dtype) whatever their values, and evaluation and
@@ -54,6 +57,7 @@ ARCHITECTURE_FIELDS = (
 TRAINING_FIELDS = (
     "dropout_rate attention_dropout_rate dtype param_dtype attention_implementation remat"
     " scan_layers expert_capacity_factor moe_aux_loss_weight router_z_loss_weight"
+    " activation_dropout_rate"  # BART / mBART
 ).split()
 # Fields the fine-tuning data's vocabulary decides (train.model_config): its sizes (a grown or
 # shrunk vocabulary is partially restored) and its special ids.
@@ -68,7 +72,8 @@ def is_workdir(source: str) -> bool:
 
 def pretrained_config(source: str) -> TransformerConfig:
     """The ``TransformerConfig`` of a train.py workdir or a Hugging Face folder / hub id of a
-    supported family (Marian, Llama), without reading its weights."""
+    supported family (Marian, Llama, T5; ``hf.load_config``: config.json, and the weights
+    only where the family leaves a choice to them, e.g. T5's untied ``lm_head``)."""
     if is_workdir(source):
         root = paths.resolve(source)
         return TransformerConfig.from_json((root / "model_config.json").read_text())
@@ -81,7 +86,7 @@ def pretrained_config(source: str) -> TransformerConfig:
             f"config.init_from={source!r}: neither a train.py workdir (model_config.json) nor "
             "a Hugging Face model folder (config.json)"
         )
-    return hf.config_from_hf(json.loads(config_path.read_text()))
+    return hf.load_config(source)
 
 
 def generation_config(source: str) -> dict[str, Any] | None:

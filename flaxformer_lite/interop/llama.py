@@ -279,7 +279,8 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 #   model_type: qwen2 with it, llama without);
 # - refused unless Llama's value (``problems``): target_vocab_size, activation,
 #   norm_position, norm_type, position, scale_embeddings, logits_bias, use_bias, fused_qkv,
-#   num_experts (with moe_every), attention_window, quantization (unless ``dequantize``);
+#   num_experts (with moe_every), attention_window, quantization (unless ``dequantize``),
+#   T5's scale_attention_logits and scale_decoder_output;
 # - not part of the saved function: num_encoder_layers (no encoder), dropout_rate (training
 #   only; Llama has none), sinusoid_layout, share_embeddings (one table), relative_*,
 #   the classifier's, precision, layout and MoE training fields, unk_id.
@@ -293,6 +294,8 @@ WANTED = {
     "use_bias": False,
     "fused_qkv": False,
     "attention_window": None,
+    "scale_attention_logits": True,
+    "scale_decoder_output": False,
 }
 
 

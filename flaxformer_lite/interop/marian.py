@@ -70,8 +70,7 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 
     Raises:
       ValueError: not a Marian config, or one this architecture cannot express (different
-        encoder/decoder widths or head counts, an unknown activation, activation dropout),
-        naming the key.
+        encoder/decoder widths or head counts, an unknown activation), naming the key.
     """
     model_type = hf.get("model_type")
     if model_type != "marian":
@@ -93,11 +92,6 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
         raise ValueError(
             f"config.json activation_function {act!r} is not supported; "
             f"valid: {sorted(FROM_HF_ACTIVATION)}"
-        )
-    if float(hf.get("activation_dropout") or 0.0) > 0:
-        raise ValueError(
-            f"config.json activation_dropout={hf['activation_dropout']}: dropout inside the "
-            "feed-forward block is not part of TransformerConfig; set it to 0.0"
         )
     vocab = _hf_int(hf, "vocab_size")
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
@@ -124,6 +118,7 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
         num_decoder_layers=_hf_int(hf, "decoder_layers"),
         dropout_rate=float(hf.get("dropout", 0.1)),
         attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+        activation_dropout_rate=float(hf.get("activation_dropout") or 0.0),
         max_len=_hf_int(hf, "max_position_embeddings"),
         activation=FROM_HF_ACTIVATION[act],
         norm_position="post",
@@ -146,13 +141,15 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 # What save_pretrained does with each TransformerConfig field (tests/interop/test_hf_marian.py walks
 # every field of the dataclass against its own copy of this classification):
 # - written to config.json: vocab_size, target_vocab_size, d_model, num_heads, d_ff,
-#   num_encoder_layers, num_decoder_layers, dropout_rate, attention_dropout_rate, max_len,
+#   num_encoder_layers, num_decoder_layers, dropout_rate, attention_dropout_rate,
+#   activation_dropout_rate, max_len,
 #   activation, scale_embeddings, share_embeddings, tie_output_embedding, pad_id, bos_id,
 #   eos_id; logits_bias=False is written as a zero final_logits_bias;
 # - refused where Marian cannot express the value (``problems``): num_kv_heads,
 #   head_dim, activation (gated), norm_position, norm_type, layer_norm_epsilon, position,
 #   sinusoid_layout, use_bias, fused_qkv, num_experts (with moe_every), attention_window,
-#   quantization (unless ``dequantize``);
+#   quantization (unless ``dequantize``), learned_position_offset, embedding_norm,
+#   scale_attention_logits, scale_decoder_output;
 # - irrelevant to the saved model (precision, memory, layout, training or the classifier
 #   head, or inert because a refused field is off): dtype, param_dtype,
 #   attention_implementation, remat, scan_layers, num_classes, pooling, unk_id (the
@@ -175,6 +172,10 @@ def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str
         "fused_qkv": False,
         "layer_norm_epsilon": MARIAN_LAYER_NORM_EPSILON,
         "attention_window": None,
+        "learned_position_offset": 0,
+        "embedding_norm": False,
+        "scale_attention_logits": True,
+        "scale_decoder_output": False,
     }
     found = [
         f"{name}={getattr(config, name)!r} (Marian: {value!r})"
@@ -248,7 +249,7 @@ def config_to_hf(config: TransformerConfig, *, dequantize: bool = False) -> dict
         "activation_function": TO_HF_ACTIVATION[config.activation],
         "dropout": config.dropout_rate,
         "attention_dropout": config.attention_dropout_rate,
-        "activation_dropout": 0.0,
+        "activation_dropout": config.activation_dropout_rate,
         "max_position_embeddings": config.max_len,
         "scale_embedding": config.scale_embeddings,
         "pad_token_id": config.pad_id,

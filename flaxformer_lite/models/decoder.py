@@ -243,8 +243,11 @@ class Decoder(nn.Module):
     def _logits(self, x: Array) -> Array:
         """`[b, t, d_model]` -> float32 logits `[b, t, vocab]`: the embedding transposed
         (``tie_output_embedding``) or a kernel ``logits`` (int8 when quantized), plus
-        ``logits_bias`` `[vocab]` when configured."""
+        ``logits_bias`` `[vocab]` when configured; the input first scaled by d_model**-0.5
+        with ``scale_decoder_output`` (T5 v1.0)."""
         cfg = self.config
+        if cfg.scale_decoder_output:  # T5 v1.0: the tied table's logits are rescaled
+            x = x * jnp.asarray(cfg.d_model**-0.5, x.dtype)
         if cfg.tie_output_embedding:
             logits = self.embedding.attend(x)
         elif cfg.quantization is not None:

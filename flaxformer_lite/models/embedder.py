@@ -7,6 +7,7 @@ import jax
 
 from flaxformer_lite.nn.config import TransformerConfig
 from flaxformer_lite.nn.embed import Embed
+from flaxformer_lite.nn.layers import make_norm
 from flaxformer_lite.ops import positions as pos_lib
 
 Array = jax.Array
@@ -31,7 +32,8 @@ def make_embedding(
 
 class Embedder(nn.Module):
     """Token embedding (scaled by sqrt(d_model) unless ``scale_embeddings=False``) + absolute
-    positions + dropout: int `[batch, length]` -> `[batch, length, d_model]`."""
+    positions (+ the ``embedding_norm``) + dropout: int `[batch, length]` -> `[batch, length,
+    d_model]`."""
 
     config: TransformerConfig
     embedding: Embed
@@ -44,6 +46,12 @@ class Embedder(nn.Module):
             x = pos_lib.add_sinusoidal(x, positions, cfg.max_len, cfg.sinusoid_layout)
         elif cfg.position == "learned":
             x = pos_lib.LearnedPositions(
-                cfg.max_len, cfg.d_model, cfg.parameter_dtype, name="positions"
+                cfg.max_len,
+                cfg.d_model,
+                cfg.parameter_dtype,
+                offset=cfg.learned_position_offset,
+                name="positions",
             )(x, positions)
+        if cfg.embedding_norm:
+            x = make_norm(cfg, "embedding_norm")(x)
         return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)

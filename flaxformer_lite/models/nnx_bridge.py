@@ -17,14 +17,16 @@ device creates only its shards (as ``core.sharding.sharded_init`` does for linen
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
-from flax import nnx
 from jax.sharding import Mesh
 
 from flaxformer_lite.core import sharding
+
+if TYPE_CHECKING:  # flax.nnx imports optax: only when NNX is used
+    from flax import nnx
 
 
 def to_nnx(
@@ -58,6 +60,8 @@ def to_nnx(
       ValueError: ``mesh`` lacks one of ``sharding.MESH_AXES``, or cannot split the model's
         attention heads (``sharding.check_attention_fits_mesh``).
     """
+    from flax import nnx  # here: flax.nnx imports optax, which the package import avoids
+
     if not isinstance(module, nn.Module):
         raise ValueError(
             f"module must be a flax.linen Module (EncoderDecoder, DecoderOnly, "
@@ -88,4 +92,6 @@ def linen_params(model: nnx.Module) -> dict:
     """The linen ``params`` tree of an NNX-wrapped model (``{"encoder": ..., "decoder":
     ...}``, plain arrays, kept where they are sharded): what ``model.apply({"params": ...})``,
     ``decoding.generate`` and the checkpoints take."""
+    from flax import nnx  # here: flax.nnx imports optax, which the package import avoids
+
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))

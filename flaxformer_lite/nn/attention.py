@@ -88,6 +88,9 @@ class MultiHeadAttention(nn.Module):
 
     ``quantization="int8"``: every projection holds an int8 kernel and its per-output-channel
     scales (``quantize.quantize_params``) and multiplies in int8 (``quantize.int8_matmul``).
+
+    ``logits_scale``: the factor on the query-key dot products, None for the paper's
+    1/sqrt(head_dim); T5 takes 1.0 (its query kernels absorb the scaling).
     """
 
     num_heads: int
@@ -106,6 +109,7 @@ class MultiHeadAttention(nn.Module):
     rope_theta: float | None = None
     rope_scaling: tuple[float, float, float, int] | None = None
     qkv_bias: bool | None = None
+    logits_scale: float | None = None
 
     @nn.compact
     def __call__(
@@ -445,6 +449,7 @@ class MultiHeadAttention(nn.Module):
             deterministic=deterministic,
             return_weights=want_weights and self.implementation == "xla",
             implementation=self.implementation,
+            scale=self.logits_scale,
         )
         if want_weights:
             if self.implementation == "xla":
@@ -452,7 +457,7 @@ class MultiHeadAttention(nn.Module):
             else:  # cuDNN and blockwise never materialise them: the reference computes them
                 if isinstance(mask, AttentionMask):
                     mask = mask.dense(query.shape[1], key.shape[1])
-                weights = attention_weights(query, key, mask, bias)
+                weights = attention_weights(query, key, mask, bias, self.logits_scale)
             self.sow("intermediates", "attention_weights", weights)
         return out
 
@@ -503,7 +508,9 @@ class MultiHeadAttention(nn.Module):
             bias = beam_cache.group_bias(bias, rows, beam_size, q_len, slots)
         want_weights = self.is_mutable_collection("intermediates")
         if self.implementation == "xla" and dropout_rng is None and not want_weights:
-            out = beam_cache.attend_beams(query, key, value, mask, bias, beam_size)
+            out = beam_cache.attend_beams(
+                query, key, value, mask, bias, beam_size, self.logits_scale
+            )
         else:  # the general path: every beam's keys on one axis
             key = beam_cache.group_keys(key, beam_size)
             value = beam_cache.group_keys(value, beam_size)

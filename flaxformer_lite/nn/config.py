@@ -132,6 +132,18 @@ class TransformerConfig:
         activations (``quantize``: the parameters must come from ``quantize.quantize_params``;
         encoder-decoder and decoder-only models; mixture-of-experts blocks stay float).
 
+    BART / mBART (``interop/bart.py``; defaults leave every other model as it was):
+      learned_position_offset: rows the learned position table keeps before position 0
+        (Hugging Face BART/mBART: 2); inert unless ``position="learned"`` (checked whatever
+        the position kind, as the relative buckets are). The table is `[max_len + offset,
+        d_model]` and position p reads row p + offset; the first rows are parameters no
+        position reads (kept so that a checkpoint round-trips). 0: `[max_len, d_model]`.
+      embedding_norm: a norm (``norm_type``) on the embedding sum (tokens + positions) before
+        the first layer and its dropout, in every stack (BART's ``layernorm_embedding``).
+      activation_dropout_rate: dropout on the hidden units of the dense feed-forward blocks,
+        after the activation (BART's ``activation_dropout``; mixture-of-experts blocks have
+        none); training only.
+
     Llama family (``interop/llama.py``; defaults leave every other model as it was):
       rope_theta: the base of the rotary frequencies ``theta^(-2i/head_dim)``: a number > 0
         (Hugging Face's ``rope_theta``: 10000 as RoFormer, Llama 3 500000), the frequencies
@@ -149,6 +161,13 @@ class TransformerConfig:
         8192); a positive int. Read only with ``rope_scaling_factor``.
       qkv_bias: biases on the query, key and value projections whatever ``use_bias`` (Qwen2:
         ``use_bias=False, qkv_bias=True``, no bias on the attention output or the MLP).
+
+    T5 (``interop/t5.py``; defaults leave every other model as it was):
+      scale_attention_logits: multiply the query-key dot products by 1/sqrt(head_dim) (the
+        paper); False leaves them unscaled, as T5 does (its query kernels absorb the scaling).
+      scale_decoder_output: multiply the decoder's final output by d_model**-0.5 before the
+        output projection (T5 v1.0, whose tied embedding table makes the logits; Hugging Face's
+        ``scale_decoder_outputs``). False: the paper's and every other model's logits.
     """
 
     vocab_size: int = 37000
@@ -197,6 +216,10 @@ class TransformerConfig:
     relative_max_distance: int = 128
     head_dim: int | None = None
     quantization: str | None = None
+    # BART / mBART (interop/bart.py).
+    learned_position_offset: int = 0
+    embedding_norm: bool = False
+    activation_dropout_rate: float = 0.0
     # Llama family (interop/llama.py).
     rope_theta: float | None = None
     rope_scaling_factor: float | None = None
@@ -204,6 +227,9 @@ class TransformerConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     qkv_bias: bool = False
+    # T5 (issue 25, interop/t5.py).
+    scale_attention_logits: bool = True
+    scale_decoder_output: bool = False
 
     def __post_init__(self) -> None:
         # Grouped by concern, each group checking its fields' types before their values; a
@@ -257,17 +283,19 @@ class TransformerConfig:
         a number > 0."""
         bools = (
             "share_embeddings tie_output_embedding logits_bias scale_embeddings use_bias remat"
-            " scan_layers fused_qkv qkv_bias"
+            " scan_layers fused_qkv embedding_norm qkv_bias"
+            " scale_attention_logits scale_decoder_output"
         )
         for name in bools.split():
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"TransformerConfig.{name} must be a bool; got {value!r}")
-        for name in ("dropout_rate", "attention_dropout_rate", "layer_norm_epsilon"):
+        rates = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate")
+        for name in (*rates, "layer_norm_epsilon"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ValueError(f"TransformerConfig.{name} must be a number; got {value!r}")
-        for name in ("dropout_rate", "attention_dropout_rate"):
+        for name in rates:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"TransformerConfig.{name} must be in [0, 1); got {value!r}")
@@ -382,6 +410,12 @@ class TransformerConfig:
                 "TransformerConfig.head_dim must be even for rotary positions (channel pairs "
                 f"are rotated); got head_dim={self.head_dim}, effective width "
                 f"{self.effective_head_dim} (d_model / num_heads when head_dim is None)"
+            )
+        offset = self.learned_position_offset
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(
+                "TransformerConfig.learned_position_offset must be an integer >= 0 (rows of the "
+                f"learned position table before position 0; BART: 2); got {offset!r}"
             )
         window = self.attention_window
         if window is not None and (

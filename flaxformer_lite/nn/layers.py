@@ -105,6 +105,7 @@ def _attention(
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling,
         qkv_bias=config.use_bias or config.qkv_bias,
+        logits_scale=None if config.scale_attention_logits else 1.0,
         name=name,
     )
 
@@ -115,7 +116,8 @@ def _feed_forward(
     """The layer's feed-forward sub-layer: ``MlpBlock``, or ``moe.MoeBlock`` in a
     mixture-of-experts layer (routing only the ``valid`` `[batch, length]` tokens)."""
     if not moe:
-        return _mlp(config)
+        mlp = _mlp(config)
+        return lambda h: mlp(h, deterministic=deterministic)
     from flaxformer_lite.nn.moe import MoeBlock
 
     block = MoeBlock(
@@ -140,6 +142,7 @@ def _mlp(config: TransformerConfig) -> MlpBlock:
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
         quantization=config.quantization,
+        dropout_rate=config.activation_dropout_rate,
         name="mlp",
     )
 

@@ -24,8 +24,10 @@ class MlpBlock(nn.Module):
 
     "relu" is the paper's max(0, xW1 + b1)W2 + b2; "gelu" swaps the non-linearity; "swiglu" and
     "geglu" are the gated variants act(xW_gate) * (xW_up) W_down (Shazeer 2020). The names are
-    ``activations.ACTIVATIONS``. No dropout inside: the paper's residual dropout follows the
-    block (``residual``). ``quantization="int8"``: ``Int8Dense`` layers instead of ``nn.Dense``.
+    ``activations.ACTIVATIONS``. The paper's residual dropout follows the block (``residual``);
+    ``dropout_rate`` > 0 also drops hidden units after the activation (and gate), before the
+    output projection (BART's ``activation_dropout``; off when ``deterministic``).
+    ``quantization="int8"``: ``Int8Dense`` layers instead of ``nn.Dense``.
     """
 
     d_ff: int
@@ -34,9 +36,10 @@ class MlpBlock(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     quantization: str | None = None
+    dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
         def dense(features: int, names: tuple[str, str], name: str) -> nn.Module:
             if self.quantization is not None:
                 return Int8Dense(features, names, self.use_bias, self.dtype, name=name)
@@ -57,4 +60,6 @@ class MlpBlock(nn.Module):
         h = ACTIVATIONS[self.activation](dense(self.d_ff, ("embed", "mlp"), "wi")(x))
         if self.activation in GATED:
             h = h * dense(self.d_ff, ("embed", "mlp"), "wi_up")(x)
+        if self.dropout_rate > 0:
+            h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         return dense(x.shape[-1], ("mlp", "embed"), "wo")(h)

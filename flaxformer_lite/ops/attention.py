@@ -49,6 +49,19 @@ Implementation = Literal["xla", "cudnn", "blockwise"]
 IMPLEMENTATIONS = ("xla", "cudnn", "blockwise")
 
 
+def logits_scale(head_dim: int, scale: float | None = None) -> float:
+    """The factor on ``q . k``: ``scale``, or 1/sqrt(head_dim) (the paper's) when None.
+
+    Raises:
+      ValueError: ``scale`` is not a number > 0.
+    """
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+        raise ValueError(f"scale must be None (1/sqrt(head_dim)) or a number > 0; got {scale!r}")
+    return float(scale)
+
+
 def _group_heads(x: Array, kv_heads: int) -> Array:
     """`[batch, len, heads, d]` -> `[batch, len, kv_heads, heads // kv_heads, d]`."""
     b, n, h, d = x.shape
@@ -74,17 +87,19 @@ def attention_weights(
     key: Array,
     mask: Array | None = None,
     bias: Array | None = None,
+    scale: float | None = None,
 ) -> Array:
     """Softmax attention probabilities, `[batch, heads, q_len, kv_len]`, in float32.
 
-    Logits are ``q . k / sqrt(head_dim)`` plus ``bias``; disallowed positions get the most negative
+    Logits are ``q . k * scale`` plus ``bias`` (``scale`` None: 1/sqrt(head_dim), the paper's;
+    T5 uses 1.0, see ``logits_scale``); disallowed positions get the most negative
     finite float32 (a literal like -1e9 overflows in float16 and is not exact in bfloat16). A query
     row with nothing allowed gets all-zero weights, so its output is zero and its gradient finite.
     """
     check_shapes(query, key, key)
     heads, kv_heads = query.shape[2], key.shape[2]
     q = _group_heads(query, kv_heads)  # [b, q, kvh, g, d]
-    scale = jnp.asarray(query.shape[-1] ** -0.5, query.dtype)
+    scale = jnp.asarray(logits_scale(query.shape[-1], scale), query.dtype)
     # Low-precision inputs multiply in their own dtype (fast on TPU/GPU) and accumulate in float32.
     logits = jnp.einsum(
         "bqhgd,bkhd->bhgqk", q * scale, key, preferred_element_type=jnp.float32
@@ -224,7 +239,9 @@ def warn_cudnn_fallback(reason: str) -> None:
     )
 
 
-def _cudnn_attention(query: Array, key: Array, value: Array, mask, bias) -> Array | None:
+def _cudnn_attention(
+    query: Array, key: Array, value: Array, mask, bias, scale: float | None = None
+) -> Array | None:
     """cuDNN flash attention with our contract (zeros for rows with nothing allowed), or None
     (after one warning) where cuDNN cannot run it."""
     structured = isinstance(mask, AttentionMask)
@@ -284,8 +301,9 @@ def _cudnn_attention(query: Array, key: Array, value: Array, mask, bias) -> Arra
         bias = jnp.broadcast_to(bias, (*bias.shape[:2], q_len, kv_len)).astype(query.dtype)
     try:
         out = jax.nn.dot_product_attention(
-            query, key, value, bias=bias, mask=dense_mask, implementation="cudnn", **kw
-        )
+            query, key, value, bias=bias, mask=dense_mask, implementation="cudnn",
+            scale=logits_scale(query.shape[-1], scale), **kw,
+        )  # fmt: skip
     except (NotImplementedError, ValueError, RuntimeError) as err:  # jax's own checks
         warn_cudnn_fallback(f"jax.nn.dot_product_attention refused it ({err})")
         return None
@@ -298,9 +316,9 @@ def _cudnn_attention(query: Array, key: Array, value: Array, mask, bias) -> Arra
     return out
 
 
-def _blockwise(query, key, value, mask, bias) -> Array:
+def _blockwise(query, key, value, mask, bias, scale: float | None = None) -> Array:
     if not isinstance(mask, AttentionMask):
-        return blockwise_attention(query, key, value, mask, bias)
+        return blockwise_attention(query, key, value, mask, bias, scale=scale)
     out = blockwise_attention(
         query,
         key,
@@ -312,6 +330,7 @@ def _blockwise(query, key, value, mask, bias) -> Array:
         key_padding=mask.key_valid,
         query_segment_ids=mask.query_segment_ids,
         key_segment_ids=mask.key_segment_ids,
+        scale=scale,
     )
     if mask.query_valid is not None:  # padded query rows attend to nothing: zeros
         out = jnp.where(jnp.asarray(mask.query_valid)[:, :, None, None], out, 0)
@@ -330,6 +349,7 @@ def dot_product_attention(
     deterministic: bool = True,
     return_weights: bool = False,
     implementation: Implementation = "xla",
+    scale: float | None = None,
 ) -> Array | tuple[Array, Array]:
     """softmax(q k^T / sqrt(head_dim) + bias, masked) v, as in the paper's equation (1).
 
@@ -349,6 +369,8 @@ def dot_product_attention(
       implementation: "xla" (reference, default), "cudnn" (cuDNN flash attention where
         ``cudnn_unsupported_reason`` allows it, else the reference with one warning) or
         "blockwise" (memory-efficient); the last two take no dropout and return no weights.
+      scale: the factor on ``q k^T`` (None: 1/sqrt(head_dim); T5: 1.0, its query kernels
+        absorb the scaling), the same in every implementation.
 
     Returns:
       `[batch, q_len, heads, head_dim]` in the dtype of ``value``; and the weights when asked.
@@ -359,6 +381,7 @@ def dot_product_attention(
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1); got {dropout_rate}")
     check_shapes(query, key, value)
+    logits_scale(query.shape[-1], scale)  # a bad scale fails here, whatever the path
     use_dropout = dropout_rate > 0.0 and not deterministic
     if use_dropout and dropout_rng is None:
         raise ValueError("dropout_rng is required when dropout_rate > 0 and deterministic=False")
@@ -374,14 +397,14 @@ def dot_product_attention(
                 "return_weights; use implementation='xla'"
             )
         if implementation == "blockwise":
-            return _blockwise(query, key, value, mask, bias)
-        out = _cudnn_attention(query, key, value, mask, bias)
+            return _blockwise(query, key, value, mask, bias, scale)
+        out = _cudnn_attention(query, key, value, mask, bias, scale)
         if out is not None:
             return out
     if isinstance(mask, AttentionMask):
         mask = mask.dense(query.shape[1], key.shape[1])
 
-    weights = attention_weights(query, key, mask, bias)
+    weights = attention_weights(query, key, mask, bias, scale)
     if use_dropout:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights_used = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)

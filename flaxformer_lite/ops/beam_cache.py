@@ -116,7 +116,13 @@ def _by_kv_heads(x: Array, kv_heads: int, beam: int, slots: int) -> Array:
 
 
 def attend_beams(
-    query: Array, key: Array, value: Array, mask: Array, bias: Array | None, beam: int
+    query: Array,
+    key: Array,
+    value: Array,
+    mask: Array,
+    bias: Array | None,
+    beam: int,
+    scale: float | None = None,
 ) -> Array:
     """Grouped attention of a beam step without moving the cache: equals
     ``dot_product_attention(query, group_keys(key, beam), group_keys(value, beam), mask, bias)``
@@ -130,13 +136,14 @@ def attend_beams(
     query `[batch, beam * q_len, heads, head_dim]` (``group_queries``); key, value
     `[batch * beam, slots, kv_heads, head_dim]`; mask bool `[batch, heads|1, beam * q_len,
     beam * slots]` (``history_mask``); bias None or `[batch|1, heads, beam * q_len, beam *
-    slots]` (``group_bias``). Returns `[batch, beam * q_len, heads, head_dim]`.
+    slots]` (``group_bias``). ``scale``: the factor on ``q . k`` (None: 1/sqrt(head_dim)).
+    Returns `[batch, beam * q_len, heads, head_dim]`.
     """
     batch, joint_q, heads, head_dim = query.shape
     rows, slots, kv_heads, _ = key.shape
     _check_rows(rows, beam, "keys")
     groups = heads // kv_heads
-    scale = jnp.asarray(head_dim**-0.5, query.dtype)
+    scale = jnp.asarray(head_dim**-0.5 if scale is None else scale, query.dtype)
     q = (query * scale).reshape(batch, 1, joint_q, kv_heads, groups, head_dim)
     q = jnp.broadcast_to(q, (batch, beam, joint_q, kv_heads, groups, head_dim))
     k = key.reshape(batch, beam, slots, kv_heads, head_dim)

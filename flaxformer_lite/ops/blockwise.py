@@ -278,16 +278,18 @@ def _pad_segment_ids(
     return _pad_axis(q_seg, 1, cfg.q_padded), _pad_axis(k_seg, 1, cfg.kv_padded)
 
 
-def _block_qkv(query: Array, key: Array, value: Array, cfg: _Config) -> tuple[Array, Array, Array]:
-    """Scales the query by 1/sqrt(head_dim), groups its heads by the key/value head they share,
-    and pads every operand to whole blocks.
+def _block_qkv(
+    query: Array, key: Array, value: Array, cfg: _Config, scale: float | None = None
+) -> tuple[Array, Array, Array]:
+    """Scales the query by ``scale`` (None: 1/sqrt(head_dim)), groups its heads by the
+    key/value head they share, and pads every operand to whole blocks.
 
     query `[b, q_len, heads, d]`, key/value `[b, kv_len, kvh, d]`
     -> q `[b, Qp, kvh, heads // kvh, d]` (pre-scaled), k/v `[b, Kp, kvh, d]`.
     """
     batch, q_len, heads, head_dim = query.shape
     kv_heads = key.shape[2]
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
     # Scale the query in its own dtype before the matmul, exactly as the reference does.
     q = (query * jnp.asarray(scale, query.dtype)).reshape(
         batch, q_len, kv_heads, heads // kv_heads, head_dim
@@ -677,6 +679,7 @@ def blockwise_attention(
     dropout_rate: float = 0.0,
     deterministic: bool = True,
     return_weights: bool = False,
+    scale: float | None = None,
 ) -> Array:
     """softmax(q k^T / sqrt(head_dim) + bias, masked) v with O(length) memory, forward and backward.
 
@@ -711,6 +714,7 @@ def blockwise_attention(
       dropout_rate, deterministic: attention dropout is not supported; a ValueError is raised
         when it would be active (``dropout_rate > 0`` and not ``deterministic``).
       return_weights: not supported (the weights are never materialised); raises ValueError.
+      scale: the factor on ``q k^T`` instead of 1/sqrt(head_dim) (T5: 1.0); None: that one.
 
     Returns:
       `[batch, q_len, heads, head_dim]` in the dtype of ``value``. Query rows with no allowed key
@@ -745,6 +749,6 @@ def blockwise_attention(
     )
     key_padding = _pad_key_padding(key_padding, cfg, batch=batch)
     segments = _pad_segment_ids(query_segment_ids, key_segment_ids, cfg, batch=batch, q_len=q_len)
-    q, k, v = _block_qkv(query, key, value, cfg)
+    q, k, v = _block_qkv(query, key, value, cfg, scale)
     out = _flash(cfg, q, k, v, mask, bias, key_padding, segments)  # [b, Qp, kvh, g, d]
     return out[:, :q_len].reshape(batch, q_len, heads, value.shape[-1])

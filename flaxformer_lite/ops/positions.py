@@ -57,11 +57,16 @@ def add_sinusoidal(x: Array, positions: Array, max_len: int, layout: str = "inte
 
 
 class LearnedPositions(nn.Module):
-    """Learned absolute position embeddings, `[max_len, dim]` (the paper's Table 3 row E)."""
+    """Learned absolute position embeddings, `[max_len, dim]` (the paper's Table 3 row E).
+
+    ``offset``: the table is `[offset + max_len, dim]` and position p reads row p + offset
+    (Hugging Face BART's ``BartLearnedPositionalEmbedding`` keeps 2 such leading rows).
+    """
 
     max_len: int
     dim: int
     param_dtype: jnp.dtype = jnp.float32
+    offset: int = 0
 
     @nn.compact
     def __call__(self, x: Array, positions: Array) -> Array:
@@ -69,10 +74,10 @@ class LearnedPositions(nn.Module):
         table = self.param(
             "embedding",
             logical_init(nn.initializers.normal(0.02), (None, "embed")),
-            (self.max_len, self.dim),
+            (self.offset + self.max_len, self.dim),
             self.param_dtype,
         )
-        return x + jnp.take(table, positions, axis=0).astype(x.dtype)
+        return x + jnp.take(table, positions + self.offset, axis=0).astype(x.dtype)
 
 
 def rope_inv_freq(

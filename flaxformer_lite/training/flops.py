@@ -118,17 +118,19 @@ def parameter_count(config: TransformerConfig, model: str = "encoder_decoder") -
     (``_attention_params``: widths num_heads * head_dim and kv_heads * head_dim, so
     ``head_dim`` apart from d_model / num_heads changes them), feed-forward or
     mixture-of-experts blocks, norms (LayerNorm: scale and bias; RMSNorm: scale; a final norm
-    per stack when pre-LN), the untied output projection, the logits bias and the classifier
-    head (and its pooling query). ``scan_layers`` stacks the same parameters, so it does not
-    change the count.
+    per stack when pre-LN, an embedding norm per stack with ``embedding_norm``), the untied
+    output projection, the logits bias and the classifier head (and its pooling query).
+    ``scan_layers`` stacks the same parameters, so it does not change the count.
     """
     if model not in MODEL_KINDS:
         raise ValueError(f"model must be one of {MODEL_KINDS}; got {model!r}")
     d = config.d_model
     norm = d * (1 if config.norm_type == "rmsnorm" else 2)
     final_norm = norm if config.norm_position == "pre" else 0
+    embedding_norm = norm if config.embedding_norm else 0
     positions = {
-        "learned": config.max_len * d,  # a `[max_len, d]` table per stack
+        # a `[offset + max_len, d]` table per stack
+        "learned": (config.learned_position_offset + config.max_len) * d,
         "relative": config.relative_num_buckets * config.num_heads,  # `[buckets, heads]`
     }.get(config.position, 0)
     attention = _attention_params(config)
@@ -138,7 +140,7 @@ def parameter_count(config: TransformerConfig, model: str = "encoder_decoder") -
             attentions * attention + _ffn_params(config, i) + (attentions + 1) * norm
             for i in range(layers)
         ]
-        return sum(per_layer) + final_norm + positions
+        return sum(per_layer) + final_norm + embedding_norm + positions
 
     encoder = stack(config.num_encoder_layers, 1)
     if model == "classifier":

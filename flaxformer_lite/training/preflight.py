@@ -63,8 +63,8 @@ TASK_KEYS: dict[str, tuple[str, ...]] = {
             "dataset dataset_config data_dir data_format streaming source_lang target_lang"
             " source_column target_column train_split eval_split test_split local_splits"
             " vocab_size shared_vocab spm_model_type max_len too_long packing tokens_per_batch"
-            " batch_size_multiple beam_size alpha tokenizer beam_style early_stopping forced_eos"
-            " ban_pad"
+            " batch_size_multiple beam_size alpha tokenizer tokenizer_src_lang tokenizer_tgt_lang"
+            " beam_style early_stopping forced_eos ban_pad"
         ).split()
     ),
     "lm": tuple(
@@ -173,6 +173,8 @@ SHAPE_FIELDS = (
     "model.moe_every",
     "model.relative_num_buckets",
     "model.quantization",
+    "model.learned_position_offset",  # BART / mBART: the learned table's rows
+    "model.embedding_norm",
 )
 
 

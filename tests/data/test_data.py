@@ -233,6 +233,28 @@ def test_encode_pairs_drop():
     assert (stats.num_truncated, stats.num_too_long_dropped) == (0, 2)
 
 
+class SuffixDigitTokenizer(DigitTokenizer):
+    """DigitTokenizer whose sequences end with EOS and a language code 40 (mBART's source)."""
+
+    suffix_ids = (EOS_ID, 40)
+
+
+def test_encode_pairs_keeps_a_tokenizers_suffix_whole_and_last():
+    pairs = [("5 6 7 8", "9"), ("5", "6 7 8 9")]
+    stats = DataStats()
+    out = encode_pairs(pairs, SuffixDigitTokenizer(), DigitTokenizer(), max_len=4, stats=stats)
+    expected = [([5, 6, 1, 40], [9, 1]), ([5, 1, 40], [6, 7, 8, 1])]
+    assert [(e["inputs"].tolist(), e["targets"].tolist()) for e in out] == expected
+    assert stats.num_truncated == 2
+    dropped = encode_pairs(
+        [("5 6 7", "9"), ("5 6", "9")], SuffixDigitTokenizer(), DigitTokenizer(), max_len=4,
+        too_long="drop",
+    )  # fmt: skip
+    assert [e["inputs"].tolist() for e in dropped] == [[5, 6, 1, 40]]
+    with pytest.raises(ValueError, match=r"max_len must be >= 3 .*got 2"):
+        encode_pairs(pairs, SuffixDigitTokenizer(), DigitTokenizer(), max_len=2)
+
+
 def test_encode_pairs_invalid_policy():
     with pytest.raises(ValueError, match=r"too_long.*truncate.*drop.*'cut'"):
         encode_pairs([("5", "6")], DigitTokenizer(), DigitTokenizer(), max_len=4, too_long="cut")

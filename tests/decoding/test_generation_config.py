@@ -83,6 +83,9 @@ BAD_VALUES = [
     ("banned_ids", (True,), "banned_ids must be a sequence of token ids"),
     ("banned_ids", "12", "banned_ids must be a sequence of token ids"),
     ("prepend_bos", 0, "prepend_bos must be True or False"),
+    ("forced_bos_id", -1, "forced_bos_id must be None .* or a token id"),
+    ("forced_bos_id", 2.0, "forced_bos_id must be None .* or a token id"),
+    ("forced_bos_id", True, "forced_bos_id must be None .* or a token id"),
 ]
 
 
@@ -131,7 +134,11 @@ def test_model_dependent_checks_name_the_field_and_the_limit():
         GenerationConfig(max_len=29).checked_for(MARIAN, prompt_len=5)
     with pytest.raises(ValueError, match="^max_len='source' derives each row's limit"):
         GenerationConfig(max_len="source").checked_for(MARIAN, prompt_len=5)
-    ok = GenerationConfig(max_len=32, banned_ids=(PAD,))
+    with pytest.raises(ValueError, match=r"^forced_bos_id must be a token id in \[0, 12\)"):
+        GenerationConfig(forced_bos_id=VOCAB).checked_for(MARIAN)
+    with pytest.raises(ValueError, match="^forced_bos_id=3 forces the first token .* prompt"):
+        GenerationConfig(forced_bos_id=3).checked_for(MARIAN, prompt_len=5)
+    ok = GenerationConfig(max_len=32, banned_ids=(PAD,), forced_bos_id=VOCAB - 1)
     assert ok.checked_for(MARIAN) is ok
 
 
@@ -214,6 +221,7 @@ def test_json_round_trip():
         forced_eos=True,
         banned_ids=(11, 3),
         prepend_bos=False,
+        forced_bos_id=5,
     )
     text = json.dumps(g.to_dict())
     assert json.loads(text) == {
@@ -231,6 +239,7 @@ def test_json_round_trip():
         "forced_eos": True,
         "banned_ids": [3, 11],
         "prepend_bos": False,
+        "forced_bos_id": 5,
     }
     assert GenerationConfig.from_dict(json.loads(text)) == g
     assert GenerationConfig.from_dict({}) == GenerationConfig()
@@ -307,6 +316,7 @@ def test_from_hugging_face_reads_what_transformers_writes(tmp_path):
             max_new_tokens=5,
             early_stopping="never",
             bad_words_ids=[[3], [4]],
+            forced_bos_token_id=5,  # mBART-50's target language code, say
         ),  # fmt: skip
     }
     for name, fields in cases.items():
@@ -328,6 +338,7 @@ def test_from_hugging_face_reads_what_transformers_writes(tmp_path):
             forced_eos=read.forced_eos_token_id == EOS,
             banned_ids=tuple(w[0] for w in read.bad_words_ids),
             prepend_bos=False,  # generate() feeds the ids as given
+            forced_bos_id=read.forced_bos_token_id,
         ), name
         written = json.loads((folder / "generation_config.json").read_text())
         assert GenerationConfig.from_hugging_face(written, MARIAN) == ours
@@ -436,6 +447,29 @@ def test_source_max_len_stops_each_row_at_its_own_limit(endless):
         assert ((row[:n] >= 2) & (row[:n] < PAD)).all() and (row[n:] == PAD).all(), row
     with pytest.raises(ValueError, match="^max_len='source' derives each row's limit"):
         gen.continue_prompt(params, MARIAN, inputs, max_len="source")
+
+
+def test_forced_bos_id_is_every_rows_first_token_and_decoding_goes_on_from_it(endless):
+    """Greedy, beam and sampled rows all start with the forced id; greedy's later tokens are
+    the argmax of the teacher-forced logits behind it (the full, uncached forward)."""
+    from flaxformer_lite import EncoderDecoder
+
+    params, inputs = endless
+    forced = 3
+    free, _ = gen.generate(params, MARIAN, inputs, method="greedy", max_len=6)
+    assert not (np.asarray(free)[:, 0] == forced).all()  # forcing changes something
+    rng = jax.random.key(0)
+    for method in ("greedy", "beam", "sample"):
+        tokens, _ = gen.generate(
+            params, MARIAN, inputs, method=method, max_len=6, forced_bos_id=forced, rng=rng
+        )
+        assert (np.asarray(tokens)[:, 0] == forced).all(), method
+    tokens, _ = gen.generate(
+        params, MARIAN, inputs, method="greedy", max_len=6, forced_bos_id=forced
+    )
+    tokens = np.asarray(tokens)
+    logits = EncoderDecoder(MARIAN).apply({"params": params}, inputs, tokens)
+    np.testing.assert_array_equal(tokens[:, 1:], np.asarray(logits).argmax(-1)[:, 1:])
 
 
 # ----------------------------------------------------------------------------- CLI flags, export

@@ -9,7 +9,9 @@ projection tied to the embedding (section 3.4). Options beyond the paper follow 
 papers: gated FFNs act(xW) * (xV) W2 (Shazeer 2020, GELU in its tanh form as in T5/GPT-2),
 RMSNorm (Zhang & Sennrich 2019), rotary embeddings (RoFormer, Su et al. 2021), T5's bucketed
 relative position bias (Raffel et al. 2020) and grouped-query attention (Ainslie et al. 2023:
-query head h reads key/value head h // (heads / kv_heads)).
+query head h reads key/value head h // (heads / kv_heads)). T5's own choices: logits QK^T
+without the 1/sqrt(d_k) (``scale_attention_logits=False``) and, in T5 v1.0, the decoder output
+multiplied by d_model^-1/2 before the tied projection (``scale_decoder_output``).
 Restricted self-attention (the paper's Table 1, neighbourhood r = ``attention_window``): query i
 sees keys j with |i - j| <= r, in the stacks ``attention_window_layers`` names. Heads are
 d_k = d_v = ``head_dim`` wide when the config sets it (the paper: d_model / h), so attention
@@ -193,17 +195,25 @@ def softmax(z: np.ndarray) -> np.ndarray:
 
 
 def scaled_dot_product_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray, bias: np.ndarray | None = None
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    allowed: np.ndarray,
+    bias: np.ndarray | None = None,
+    scaled: bool = True,
 ) -> np.ndarray:
     """Equation (1) per head. q `[b, m, h, dk]`, k and v `[b, n, hkv, dk]`, allowed bool
     `[b, m, n]`, bias `[h, m, n]` added to the logits -> `[b, m, h, dk]`. Query head i reads
-    key/value head i // (h // hkv). A query with no allowed key gets zeros."""
+    key/value head i // (h // hkv). A query with no allowed key gets zeros. ``scaled=False``:
+    T5's logits QK^T, not divided by sqrt(d_k)."""
     b, m, h, dk = q.shape
     group = h // k.shape[2]
     out = np.zeros_like(q)
     for head in range(h):
         kh, vh = k[:, :, head // group], v[:, :, head // group]  # [b, n, dk]
-        logits = np.einsum("bmd,bnd->bmn", q[:, :, head], kh) / math.sqrt(dk)
+        logits = np.einsum("bmd,bnd->bmn", q[:, :, head], kh)
+        if scaled:
+            logits = logits / math.sqrt(dk)
         if bias is not None:
             logits = logits + bias[head][None]
         logits = np.where(allowed, logits, -np.inf)
@@ -268,7 +278,8 @@ def multi_head_attention(
         )
     if rotary_positions is not None:
         q, k = rotate(q, rotary_positions), rotate(k, rotary_positions)
-    heads = scaled_dot_product_attention(q, k, v, allowed, bias)
+    scaled = getattr(cfg, "scale_attention_logits", True)
+    heads = scaled_dot_product_attention(q, k, v, allowed, bias, scaled)
     out = np.einsum("bnhk,hkd->bnd", heads, p["out"]["kernel"])
     return out + p["out"]["bias"] if "bias" in p["out"] else out
 
@@ -385,7 +396,10 @@ def decoder(
 
 def output_logits(cfg: Any, p: Params, table: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Section 3.4: the pre-softmax projection is the embedding transposed (tied), else its own
-    kernel `[d_model, vocab]`; plus Marian's final logits bias when the config has one."""
+    kernel `[d_model, vocab]`; plus Marian's final logits bias when the config has one. T5 v1.0
+    (``scale_decoder_output``) first multiplies x by d_model^-1/2."""
+    if getattr(cfg, "scale_decoder_output", False):
+        x = x / math.sqrt(x.shape[-1])
     logits = x @ table.T if cfg.tie_output_embedding else x @ p["logits"]["kernel"]
     return logits + p["logits_bias"] if cfg.logits_bias else logits
 

@@ -152,12 +152,12 @@ def test_bad_inputs_name_the_problem(tmp_path, saved):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
         hf.load_pretrained(str(tmp_path / "empty"))
-    bart = json.loads((folder / "config.json").read_text())
-    bart["model_type"] = "bart"
-    (tmp_path / "bart").mkdir()
-    (tmp_path / "bart" / "config.json").write_text(json.dumps(bart))
-    with pytest.raises(ValueError, match="model_type 'bart'"):
-        hf.load_pretrained(str(tmp_path / "bart"))
+    other = json.loads((folder / "config.json").read_text())
+    other["model_type"] = "pegasus"
+    (tmp_path / "pegasus").mkdir()
+    (tmp_path / "pegasus" / "config.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="model_type 'pegasus'"):
+        hf.load_pretrained(str(tmp_path / "pegasus"))
     with pytest.raises(ValueError, match="norm_position='pre'"):
         hf.save_pretrained(str(tmp_path / "out"), config.replace(norm_position="pre"), params)
     assert not (tmp_path / "out").exists()  # refused before anything was written
@@ -318,6 +318,7 @@ WRITTEN = {
     "num_decoder_layers": ({"num_decoder_layers": 1}, {"decoder_layers": 1}),
     "dropout_rate": ({"dropout_rate": 0.2}, {"dropout": 0.2}),
     "attention_dropout_rate": ({"attention_dropout_rate": 0.3}, {"attention_dropout": 0.3}),
+    "activation_dropout_rate": ({"activation_dropout_rate": 0.2}, {"activation_dropout": 0.2}),
     "max_len": ({"max_len": 40}, {"max_position_embeddings": 40}),
     "activation": ({"activation": "gelu"}, {"activation_function": "gelu_new"}),
     "scale_embeddings": ({"scale_embeddings": False}, {"scale_embedding": False}),
@@ -351,6 +352,10 @@ REFUSED = {
         for layers in ("both", "encoder", "decoder")
     ],
     "quantization": [{"quantization": "int8"}],
+    "learned_position_offset": [{"learned_position_offset": 2, "position": "learned"}],
+    "embedding_norm": [{"embedding_norm": True}],
+    "scale_attention_logits": [{"scale_attention_logits": False}],
+    "scale_decoder_output": [{"scale_decoder_output": True}],
 }
 IRRELEVANT = {
     "dtype": {"dtype": "bfloat16"},

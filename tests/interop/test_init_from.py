@@ -157,6 +157,7 @@ TRAINING_ALTERNATIVES = dict(
     dropout_rate=0.3, attention_dropout_rate=0.2, dtype="bfloat16", param_dtype="bfloat16",
     attention_implementation="blockwise", remat=True, scan_layers=True,
     expert_capacity_factor=None, moe_aux_loss_weight=0.5, router_z_loss_weight=0.5,
+    activation_dropout_rate=0.1,
 )  # fmt: skip
 
 
@@ -220,6 +221,10 @@ ALTERNATIVES = dict(
     # Llama family.
     rope_theta=500000.0, rope_scaling_factor=8.0, rope_low_freq_factor=2.0,
     rope_high_freq_factor=8.0, rope_original_max_len=1024, qkv_bias=True,
+    # BART / mBART.
+    learned_position_offset=2, embedding_norm=True,
+    # T5.
+    scale_attention_logits=False, scale_decoder_output=True,
 )  # fmt: skip
 
 

@@ -112,6 +112,34 @@ SEQ2SEQ = {
     # Heads 12 wide, not 32 / 4 = 8: attention 48 wide inside; fused multi-head self-attention,
     # separate cross-attention projections.
     "head_dim_12_fused": TINY.replace(head_dim=12, fused_qkv=True),
+    # T5 v1.0 (t5-small): pre-RMSNorm, relative bias, no biases, unscaled embeddings, logits
+    # q.k without 1/sqrt(d_k), the decoder output scaled by d_model^-1/2 before the tied table.
+    "t5_v1_0": TINY.replace(
+        norm_position="pre",
+        norm_type="rmsnorm",
+        position="relative",
+        relative_num_buckets=8,
+        relative_max_distance=7,
+        use_bias=False,
+        scale_embeddings=False,
+        scale_attention_logits=False,
+        scale_decoder_output=True,
+    ),
+    # T5 v1.1 / Flan-T5: gated GELU, an untied output kernel, no output scaling; heads 12
+    # wide (T5's d_kv apart from d_model / heads).
+    "t5_v1_1_head_dim_12": TINY.replace(
+        norm_position="pre",
+        norm_type="rmsnorm",
+        position="relative",
+        relative_num_buckets=8,
+        relative_max_distance=7,
+        use_bias=False,
+        scale_embeddings=False,
+        scale_attention_logits=False,
+        activation="geglu",
+        tie_output_embedding=False,
+        head_dim=12,
+    ),
 }
 
 
@@ -154,6 +182,11 @@ DECODER_ONLY = {
         head_dim=12, position="rotary", num_kv_heads=2, fused_qkv=True
     ),
     "head_dim_12_pre": TINY.replace(head_dim=12, norm_position="pre"),
+    # T5's two output-side options in a decoder-only stack: unscaled attention logits, the
+    # output scaled by d_model^-1/2 before the tied table.
+    "unscaled_logits_scaled_output": TINY.replace(
+        scale_attention_logits=False, scale_decoder_output=True
+    ),
 }
 
 

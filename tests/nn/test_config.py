@@ -66,6 +66,13 @@ def test_frozen():
         (dict(target_vocab_size=10, share_embeddings=True), "share_embeddings"),
         (dict(pad_id=40000), "pad_id"),
         (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"),
+        (dict(position="learned", learned_position_offset=-1), "learned_position_offset"),
+        (dict(position="learned", learned_position_offset=2.0), "learned_position_offset"),
+        (dict(embedding_norm=1), "embedding_norm"),
+        (dict(activation_dropout_rate=1.0), "activation_dropout_rate"),
+        (dict(activation_dropout_rate="0.1"), "activation_dropout_rate"),
+        (dict(scale_attention_logits=0), "scale_attention_logits must be a bool"),
+        (dict(scale_decoder_output="yes"), "scale_decoder_output must be a bool"),
     ],
 )
 def test_invalid_config_names_the_field(kwargs, field):

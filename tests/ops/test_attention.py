@@ -259,3 +259,28 @@ def test_weights_are_sown_only_on_request_and_match_across_implementations():
     assert np.all(np.triu(w, 1) == 0) and np.all(w[1, :, :, 3:] == 0)  # causal, key padding
     np.testing.assert_allclose(np.asarray(sown["blockwise"]), w, rtol=0, atol=1e-6)
     np.testing.assert_allclose(np.asarray(outs["blockwise"]), np.asarray(outs["xla"]), atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+def test_scale_replaces_one_over_sqrt_head_dim(implementation):
+    """``scale=1.0`` (T5) equals the float64 reference on queries multiplied by sqrt(d) (the
+    reference divides by sqrt(d)), in the reference and the blockwise implementation, with a
+    mask and a bias; and differs from the default scaling."""
+    rng = np.random.default_rng(11)
+    q = rng.normal(size=(2, 5, 4, 16)).astype(np.float32)
+    k = rng.normal(size=(2, 7, 2, 16)).astype(np.float32)
+    v = rng.normal(size=(2, 7, 2, 16)).astype(np.float32)
+    mask = (np.arange(7) < np.array([7, 4])[:, None])[:, None, None, :]  # [2, 1, 1, 7]
+    bias = rng.normal(size=(1, 4, 5, 7)).astype(np.float32)
+    want, _ = naive_attention(q * 4.0, k, v, mask, bias)  # sqrt(16) = 4 cancels 1/sqrt(d)
+    got = dot_product_attention(q, k, v, mask, bias, scale=1.0, implementation=implementation)
+    assert rel_err(got, want) < 1e-5
+    default = dot_product_attention(q, k, v, mask, bias, implementation=implementation)
+    assert np.abs(np.asarray(default) - want).max() > 1e-2  # the scale is not ignored
+
+
+def test_scale_must_be_a_positive_number():
+    q = jnp.zeros((1, 2, 2, 4))
+    for bad in (0.0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="scale must be None"):
+            dot_product_attention(q, q, q, scale=bad)

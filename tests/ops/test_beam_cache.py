@@ -261,3 +261,23 @@ def test_unknown_beam_cache_names_the_argument():
     config, params = encoder_decoder("mha")
     with pytest.raises(ValueError, match="beam_cache"):
         gen.generate(params, config, padded(SOURCES), method="beam", beam_cache="gather")
+
+
+def test_attend_beams_takes_the_logits_scale():
+    """``attend_beams(scale=1.0)`` (T5's unscaled logits) equals the reference path with the
+    same scale."""
+    batch, beam, slots, heads, d = 2, 2, 4, 2, 8
+    rows = batch * beam
+    rng = np.random.default_rng(2)
+    query = jnp.asarray(rng.normal(size=(rows, 1, heads, d)), jnp.float32)
+    key = jnp.asarray(rng.normal(size=(rows, slots, heads, d)), jnp.float32)
+    value = jnp.asarray(rng.normal(size=(rows, slots, heads, d)), jnp.float32)
+    ancestors = jnp.asarray(rng.integers(0, beam, (rows, slots)), jnp.int32)
+    mask = beam_cache.history_mask(ancestors, beam, 1, None)
+    grouped = beam_cache.group_queries(query, beam)
+    keys, values = beam_cache.group_keys(key, beam), beam_cache.group_keys(value, beam)
+    want = attention.dot_product_attention(grouped, keys, values, mask, scale=1.0)
+    got = beam_cache.attend_beams(grouped, key, value, mask, None, beam, scale=1.0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    default = attention.dot_product_attention(grouped, keys, values, mask)
+    assert np.abs(np.asarray(default) - np.asarray(want)).max() > 1e-3

@@ -55,3 +55,15 @@ def test_learned_positions_gather_by_position():
     np.testing.assert_array_equal(out[0, 0], table[0])
     np.testing.assert_array_equal(out[0, 1], table[0])
     np.testing.assert_array_equal(out[0, 2], table[5])
+
+
+def test_learned_positions_with_an_offset_skip_the_leading_rows():
+    """BART's table: `[offset + max_len, dim]`, position p reads row p + offset."""
+    module = positions.LearnedPositions(max_len=6, dim=4, offset=2)
+    x = jnp.ones((1, 3, 4))
+    pos = jnp.array([[0, 3, 5]])
+    variables = module.init(jax.random.key(0), x, pos)
+    table = np.asarray(jax.tree_util.tree_leaves(variables)[0])
+    assert table.shape == (8, 4)
+    out = np.asarray(module.apply(variables, x, pos))
+    np.testing.assert_array_equal(out[0], 1.0 + table[[2, 5, 7]])

@@ -137,6 +137,22 @@ COUNT_CASES = {
         "classifier",
     ),
     "classifier_mean_pre": (SMALL.replace(norm_position="pre"), "classifier"),
+    # BART (post-LN) and mBART (pre-LN): offset position rows and an embedding norm per stack.
+    "bart_offset_embedding_norm": (
+        SMALL.replace(position="learned", learned_position_offset=2, embedding_norm=True),
+        "encoder_decoder",
+    ),
+    "mbart_pre_rms_embedding_norm_lm": (
+        SMALL.replace(
+            position="learned",
+            learned_position_offset=3,
+            embedding_norm=True,
+            norm_position="pre",
+            norm_type="rmsnorm",
+        ),
+        "decoder_only",
+    ),
+    "classifier_embedding_norm": (SMALL.replace(embedding_norm=True), "classifier"),
 }
 MODELS = {
     "encoder_decoder": EncoderDecoder,

@@ -91,23 +91,61 @@ def _location_fields(config: Any) -> str:
     return f"of config.dataset={config.dataset!r}"
 
 
-def pretrained_vocabulary(source: str, workdir: str) -> tuple[Any, Any, list[str]]:
-    """(source side, target side, file paths) of the Marian tokenizer of ``source`` (a
-    Hugging Face folder or hub id, see ``core.hub.resolve``), copied into ``workdir`` by process 0
-    when it has none (``source.spm``, ``target.spm``, ``vocab.json``) and read from there by
-    every process, on resume and by the Translator."""
+def pretrained_vocabulary(
+    source: str, workdir: str, *, src_lang: str | None = None, tgt_lang: str | None = None
+) -> tuple[Any, Any, list[str]]:
+    """(source side, target side, file paths) of the tokenizer of the Hugging Face model
+    ``source`` (a folder or hub id, see ``core.hub.resolve``), copied into ``workdir`` by
+    process 0 when it has none and read from there by every process, on resume and by the
+    Translator.
+
+    A Marian folder gives its ``source.spm``, ``target.spm`` and ``vocab.json``; any other
+    family with a tokenizer (``config.json``'s ``model_type`` in ``data.hf_tokenizers``:
+    BART, mBART, T5 ...) its own files and ``hf_tokenizer.json``, and the two sides are
+    ``hf_vocabulary.HFVocabulary``: the model's vocabulary size (every embedding row restored)
+    and decoder start, the family's special tokens around each text. ``src_lang`` /
+    ``tgt_lang``: mBART's language codes (``config.tokenizer_src_lang`` / ``_tgt_lang``), else
+    the folder's tokenizer config's.
+
+    Raises:
+      ValueError: the folder's family has no tokenizer here, or it has no tokenizer files, or
+        (mBART) a language code is missing (the config field named).
+    """
+    from flaxformer_lite.data import hf_vocabulary
     from flaxformer_lite.data.marian_tokenizer import REQUIRED_FILES, MarianTokenizer
 
+    root = paths.resolve(workdir)
+
+    def model_folder() -> tuple[str, dict[str, Any]]:
+        from flaxformer_lite.core.hub import resolve
+
+        folder = resolve(source)
+        config_path = folder / "config.json"
+        hf_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        return str(folder), hf_config
+
     def get(writer: bool) -> Any:
-        if writer and not (paths.resolve(workdir) / "vocab.json").is_file():
-            from flaxformer_lite.core.hub import resolve
+        hf_copy = (root / hf_vocabulary.MARKER).is_file()  # written after the files
+        marian_copy = all((root / name).is_file() for name in REQUIRED_FILES)
+        if writer and not (hf_copy or marian_copy):
+            folder, hf_config = model_folder()
+            if hf_config.get("model_type", "marian") == "marian":
+                MarianTokenizer.load(folder).save(workdir)
+            else:
+                hf_vocabulary.copy_to_workdir(
+                    folder, hf_config, workdir, src_lang=src_lang, tgt_lang=tgt_lang
+                )
+        if (root / hf_vocabulary.MARKER).is_file():
+            return hf_vocabulary.load_workdir_vocabularies(workdir)
+        marian = MarianTokenizer.load(workdir)
+        return marian.source, marian.target
 
-            MarianTokenizer.load(str(resolve(source))).save(workdir)
-        return MarianTokenizer.load(workdir)
-
-    tokenizer = main_process_first(get, "vocabulary")
-    files = [os.path.join(workdir, name) for name in REQUIRED_FILES]
-    return tokenizer.source, tokenizer.target, files
+    source_side, target_side = main_process_first(get, "vocabulary")
+    if isinstance(source_side, hf_vocabulary.HFVocabulary):
+        names = [hf_vocabulary.MARKER, *sorted(source_side.tokenizer.saved_files())]
+    else:
+        names = list(REQUIRED_FILES)
+    return source_side, target_side, [os.path.join(workdir, name) for name in names]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +258,7 @@ def _read_splits(config: Any) -> _Splits:
 
 
 def _build_vocabulary(config: Any, workdir: str, train: _TrainingSplit) -> _Vocabulary:
-    """Step 2, vocabulary: a pretrained model's Marian tokenizer (``config.tokenizer``) or the
+    """Step 2, vocabulary: a pretrained model's tokenizer (``config.tokenizer``) or the
     SentencePiece model(s) in the workdir, trained on ``train`` by process 0 when missing and
     loaded by every process (:func:`main_process_first`).
 
@@ -229,8 +267,13 @@ def _build_vocabulary(config: Any, workdir: str, train: _TrainingSplit) -> _Voca
       ValueError: the source and target vocabularies disagree on a special id.
     """
     paths.makedirs(workdir)
-    if getattr(config, "tokenizer", None):  # a pretrained model's Marian tokenizer
-        src_tokenizer, tgt_tokenizer, vocab_paths = pretrained_vocabulary(config.tokenizer, workdir)
+    if getattr(config, "tokenizer", None):  # a pretrained model's own tokenizer
+        src_tokenizer, tgt_tokenizer, vocab_paths = pretrained_vocabulary(
+            config.tokenizer,
+            workdir,
+            src_lang=getattr(config, "tokenizer_src_lang", None),
+            tgt_lang=getattr(config, "tokenizer_tgt_lang", None),
+        )
     else:
         names = ["spm_shared.model"] if config.shared_vocab else ["spm_src.model", "spm_tgt.model"]
         vocab_paths = [os.path.join(workdir, name) for name in names]
@@ -474,7 +517,7 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
         idx = batch["index"]
         inputs.append(batch["inputs"])
         refs.append([d.eval_pairs[i][1] if i >= 0 else None for i in idx])
-    # One vocabulary: the same tokenizer, or a Marian tokenizer's two sides over one table.
+    # One vocabulary: the same tokenizer, or a pretrained tokenizer's two sides over one table.
     shared = d.src_tokenizer is d.tgt_tokenizer or (
         d.src_tokenizer.vocab_size == d.tgt_tokenizer.vocab_size
         and getattr(d.tgt_tokenizer, "shares_table_with", lambda _: False)(d.src_tokenizer)
