@@ -190,27 +190,34 @@ def select_candidates_from_logits(
     forced_eos: bool = False,
     banned_ids: tuple[int, ...] = (),
     renormalize: bool = False,
+    forced_bos_id: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`select_candidates` of ``log_softmax(logits)``, bitwise, from the raw logits.
 
-    Without ``forced_eos`` and ``renormalize`` and for float32 logits, the log-probs are never
-    materialised (:func:`flaxformer_lite.ops.beam_top_k.log_softmax_top_k`: per-row top-k of
-    the logits, scores for those alone, an exact fallback on near-ties); otherwise this is
+    Without ``forced_eos``, ``renormalize`` and ``forced_bos_id`` and for float32 logits, the
+    log-probs are never materialised (:func:`flaxformer_lite.ops.beam_top_k.log_softmax_top_k`:
+    per-row top-k of the logits, scores for those alone, an exact fallback on near-ties);
+    otherwise this is
     ``select_candidates(live_log_probs, log_softmax(logits).astype(float32), ...)``.
 
     Args:
       live_log_probs: float32 ``[batch, beam]``.
       logits: float ``[batch, beam, vocab]`` the model's next-token logits.
-      length, limits, eos_id, forced_eos, banned_ids, renormalize: as in
+      length, limits, eos_id, forced_eos, banned_ids, renormalize, forced_bos_id: as in
         :func:`select_candidates`.
 
     Returns:
       ``(log_probs, parents, tokens)`` as :func:`select_candidates`.
     """
     options = dict(
-        eos_id=eos_id, forced_eos=forced_eos, banned_ids=banned_ids, renormalize=renormalize
+        eos_id=eos_id,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
+        renormalize=renormalize,
+        forced_bos_id=forced_bos_id,
     )
-    if forced_eos or renormalize or logits.dtype != jnp.float32:
+    constrained = forced_eos or renormalize or forced_bos_id is not None
+    if constrained or logits.dtype != jnp.float32:
         step_log_probs = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
         return select_candidates(live_log_probs, step_log_probs, length, limits, **options)
     banned_ids = check_search_options(forced_eos=forced_eos, banned_ids=banned_ids, eos_id=eos_id)

@@ -186,12 +186,13 @@ def test_select_candidates_bad_banned_ids(banned_ids, message):
         {"banned_ids": (0, 3)},
         {"forced_eos": True},
         {"renormalize": True, "banned_ids": (0,)},
+        {"forced_bos_id": 4},
     ],
 )
 @pytest.mark.parametrize("vocab", [5, 40])
 def test_select_candidates_from_logits_equals_selecting_from_the_log_softmax(options, vocab):
     # The fused path (vocab 40; vocab 5 is not longer than a row's selection) and the plain
-    # one (forced_eos, renormalize) against selecting from the log-softmax: identical
+    # one (forced_eos, renormalize, forced_bos_id) against selecting from the log-softmax: identical
     # candidates, the log-probs bitwise; at length 6 every element is at its limit, so
     # forced_eos acts.
     import jax
