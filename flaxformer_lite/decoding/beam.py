@@ -194,10 +194,10 @@ def select_candidates_from_logits(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`select_candidates` of ``log_softmax(logits)``, bitwise, from the raw logits.
 
-    Without ``forced_eos``, ``renormalize`` and ``forced_bos_id`` and for float32 logits, the
-    log-probs are never materialised (:func:`flaxformer_lite.ops.beam_top_k.log_softmax_top_k`:
-    per-row top-k of the logits, scores for those alone, an exact fallback on near-ties);
-    otherwise this is
+    For float32 logits without ``forced_bos_id`` the log-probs are never materialised
+    (:func:`flaxformer_lite.ops.beam_top_k.log_softmax_top_k`: per-row top-k of the logits,
+    scores for those alone, an exact fallback on near-ties), except with ``forced_eos`` at a
+    step where some element reaches its limit; there and otherwise this is
     ``select_candidates(live_log_probs, log_softmax(logits).astype(float32), ...)``.
 
     Args:
@@ -216,16 +216,27 @@ def select_candidates_from_logits(
         renormalize=renormalize,
         forced_bos_id=forced_bos_id,
     )
-    constrained = forced_eos or renormalize or forced_bos_id is not None
-    if constrained or logits.dtype != jnp.float32:
+
+    def plain():
         step_log_probs = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
         return select_candidates(live_log_probs, step_log_probs, length, limits, **options)
+
+    if forced_bos_id is not None or logits.dtype != jnp.float32:
+        return plain()
     banned_ids = check_search_options(forced_eos=forced_eos, banned_ids=banned_ids, eos_id=eos_id)
     _, beam, vocab = logits.shape
-    log_probs, flat_index = log_softmax_top_k(
-        logits, live_log_probs, min(2 * beam, beam * vocab), _banned_mask(banned_ids, vocab)
-    )
-    return log_probs, flat_index // vocab, (flat_index % vocab).astype(jnp.int32)
+
+    def fused():
+        banned = _banned_mask(banned_ids, vocab)
+        n = min(2 * beam, beam * vocab)
+        log_probs, flat_index = log_softmax_top_k(logits, live_log_probs, n, banned, renormalize)
+        return log_probs, flat_index // vocab, (flat_index % vocab).astype(jnp.int32)
+
+    if not forced_eos:
+        return fused()
+    # Forced EOS changes whole elements at their limit (only EOS allowed): the plain path at
+    # the steps where some element reaches its limit, the fused one otherwise.
+    return lax.cond(jnp.any(length >= limits), plain, fused)
 
 
 def candidate_sequences(

@@ -62,10 +62,15 @@ def _masked(log_probs: Array, banned: Array | None) -> Array:
 
 
 def reference_top_k(
-    logits: Array, offsets: Array, k: int, banned: Array | None = None
+    logits: Array,
+    offsets: Array,
+    k: int,
+    banned: Array | None = None,
+    renormalize: bool = False,
 ) -> tuple[Array, Array]:
     """The plain selection: ``lax.top_k`` of ``offsets + log_softmax(logits)`` (``banned``
-    ids, bool `[vocab]`, set to ``-inf`` after the log-softmax) over the flat ``beam * vocab``.
+    ids, bool `[vocab]`, set to ``-inf`` after the log-softmax; with ``renormalize`` a second
+    log-softmax after that) over the flat ``beam * vocab``.
 
     Returns:
       ``(values, flat_index)``: float32 `[batch, k]`, best first, and int32 `[batch, k]`,
@@ -74,13 +79,19 @@ def reference_top_k(
     _check(logits, offsets, k, banned)
     batch, beam, vocab = logits.shape
     log_probs = _masked(jax.nn.log_softmax(logits, axis=-1), banned)
+    if renormalize:
+        log_probs = jax.nn.log_softmax(log_probs, axis=-1)
     candidates = (offsets[:, :, None] + log_probs).reshape(batch, beam * vocab)
     values, flat_index = lax.top_k(candidates, k)
     return values, flat_index
 
 
 def log_softmax_top_k(
-    logits: Array, offsets: Array, k: int, banned: Array | None = None
+    logits: Array,
+    offsets: Array,
+    k: int,
+    banned: Array | None = None,
+    renormalize: bool = False,
 ) -> tuple[Array, Array]:
     """:func:`reference_top_k`'s result, bitwise, without materialising the log-probs (see
     the module docstring).
@@ -90,6 +101,8 @@ def log_softmax_top_k(
       offsets: float32 `[batch, beam]` added to each beam's log-probs.
       k: how many candidates per batch element, in ``[1, beam * vocab]``.
       banned: optional bool `[vocab]`, ids whose log-prob is ``-inf``.
+      renormalize: a second log-softmax after the banned ids' ``-inf`` (Hugging Face's
+        ``renormalize_logits``): one more pass over the row, still nothing written.
 
     Returns:
       ``(values, flat_index)``: float32 `[batch, k]`, best first, and int32 `[batch, k]`.
@@ -98,7 +111,7 @@ def log_softmax_top_k(
     batch, beam, vocab = logits.shape
     per_row = k + 1  # one more than needed: its score bounds every score left out
     if per_row >= vocab:  # a row is not longer than its selection: nothing to save
-        return reference_top_k(logits, offsets, k, banned)
+        return reference_top_k(logits, offsets, k, banned, renormalize)
     # One materialised copy of the logits for every reader below: without the barrier XLA
     # recomputes the producer (the model's bias add) once per reader, a full pass each.
     logits = lax.optimization_barrier(logits)
@@ -113,9 +126,13 @@ def log_softmax_top_k(
         row_max = jnp.max(logits, axis=-1, keepdims=True)
     log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
     # Scores as the reference rounds them: offset + ((x - max) - log_sum).
-    scores = offsets[:, :, None] + _masked(
-        (best_logits - row_max) - log_sum, _banned_at(banned, best_tokens)
-    )
+    log_probs = _masked((best_logits - row_max) - log_sum, _banned_at(banned, best_tokens))
+    if renormalize:  # the same expressions again, over the masked log-probs of the whole row
+        max_2 = jnp.max(log_probs, axis=-1, keepdims=True)  # the best unbanned one is selected
+        row_log_probs = _masked((logits - row_max) - log_sum, banned)
+        log_sum_2 = jnp.log(jnp.sum(jnp.exp(row_log_probs - max_2), axis=-1, keepdims=True))
+        log_probs = (log_probs - max_2) - log_sum_2
+    scores = offsets[:, :, None] + log_probs
     # Flat-index order within each row (lax.top_k returned logit order), so that the last
     # top-k breaks ties by flat index as the reference does.
     best_tokens, scores = lax.sort((best_tokens, scores), dimension=-1, num_keys=1)
@@ -129,7 +146,7 @@ def log_softmax_top_k(
     return lax.cond(
         exact,
         lambda: (values, chosen),
-        lambda: reference_top_k(logits, offsets, k, banned),
+        lambda: reference_top_k(logits, offsets, k, banned, renormalize),
     )
 
 

@@ -1037,8 +1037,17 @@ def test_public_constants():
     assert len(np_exhaustive(TABLES, POS_BIAS, 0, BOS_ID, 2, 0.0)) == 1 + 2 * 3
 
 
-@pytest.mark.parametrize("beam_style", ["gnmt", "hf"])
-def test_beam_search_selects_as_from_the_materialised_log_softmax(monkeypatch, beam_style):
+@pytest.mark.parametrize(
+    "beam_style,constraints",
+    [
+        ("gnmt", {}),
+        ("hf", {}),
+        ("hf", {"forced_eos": True, "banned_ids": (PAD_ID,), "renormalize": True}),
+    ],
+)
+def test_beam_search_selects_as_from_the_materialised_log_softmax(
+    monkeypatch, beam_style, constraints
+):
     # Vocab 64 > 2 * beam + 1, so each step takes the fused selection
     # (ops.beam_top_k.log_softmax_top_k); the reference is the search with the plain one,
     # log_softmax then select_candidates, patched in. Rows of equal logits make ties.
@@ -1047,6 +1056,7 @@ def test_beam_search_selects_as_from_the_materialised_log_softmax(monkeypatch, b
     table = make_markov_table(7, 64)
     table[3:9, 10:40] = table[3:9, 10:11]  # exact ties within these rows
     kwargs = dict(batch_size=3, beam_size=4, max_len=7, alpha=0.6, beam_style=beam_style)
+    kwargs.update(constraints, row_max_len=jnp.asarray([3, 7, 5], jnp.int32))
     first = jnp.asarray([BOS_ID, 3, 5], jnp.int32)
 
     def run():

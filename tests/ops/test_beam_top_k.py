@@ -15,14 +15,17 @@ from jax import lax
 
 from flaxformer_lite.ops.beam_top_k import log_softmax_top_k, row_top_k
 
-fused = jax.jit(log_softmax_top_k, static_argnums=2)
+fused = jax.jit(log_softmax_top_k, static_argnums=(2, 4))
 
 
-def plain_top_k(logits, offsets, k, banned=None):
-    """The definition: top k of offsets + log_softmax(logits), banned ids -inf, flat."""
+def plain_top_k(logits, offsets, k, banned=None, renormalize=False):
+    """The definition: top k of offsets + log_softmax(logits), banned ids -inf (then, with
+    renormalize, log_softmax again), flat."""
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     if banned is not None:
         log_probs = jnp.where(banned, -jnp.inf, log_probs)
+    if renormalize:
+        log_probs = jax.nn.log_softmax(log_probs, axis=-1)
     batch, beam, vocab = logits.shape
     return lax.top_k((offsets[:, :, None] + log_probs).reshape(batch, beam * vocab), k)
 
@@ -40,6 +43,10 @@ def test_random_logits_equal_the_plain_selection_bitwise(beam, vocab):
     offsets = jnp.asarray(-rng.random((3, beam)) * 10, jnp.float32)
     k = 2 * beam
     assert_same(fused(logits, offsets, k), plain_top_k(logits, offsets, k))
+    banned = jnp.zeros((vocab,), bool).at[jnp.array([0, vocab - 1])].set(True)
+    assert_same(
+        fused(logits, offsets, k, banned, True), plain_top_k(logits, offsets, k, banned, True)
+    )
 
 
 def test_equal_logits_tie_by_flat_index():
@@ -72,14 +79,15 @@ def test_logits_that_round_to_one_score_fall_back_to_flat_index_order():
     np.testing.assert_array_equal(np.asarray(index[0]), [0, 1, 2, 3])
 
 
-def test_impossible_beams_and_banned_ids():
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_impossible_beams_and_banned_ids(renormalize):
     # Beams 1.. without a hypothesis (-inf, beam search's first step) and banned ids.
     rng = np.random.default_rng(2)
     logits = jnp.asarray(rng.standard_normal((2, 4, 60)), jnp.float32)
     offsets = jnp.asarray([[0.0, -np.inf, -np.inf, -np.inf]] * 2, jnp.float32)
     banned = jnp.zeros((60,), bool).at[jnp.array([3, 7, 59])].set(True)
-    values, index = fused(logits, offsets, 8, banned)
-    assert_same((values, index), plain_top_k(logits, offsets, 8, banned))
+    values, index = fused(logits, offsets, 8, banned, renormalize)
+    assert_same((values, index), plain_top_k(logits, offsets, 8, banned, renormalize))
     assert np.all(np.asarray(index) < 60) and not np.isin(np.asarray(index), [3, 7, 59]).any()
 
 
