@@ -14,6 +14,10 @@ of every search once per round, after a warm-up; the median is reported):
   log_softmax    over `[rows, 58101]`
   top_k          beam search's selection: top 2k of `[batch, k * vocab]` (what decoding.py does)
   top_k_2stage   the same selection as per-beam top 2k, then top 2k of `[batch, k * 2k]`
+  select_fused   what beam search runs now instead of log_softmax + top_k: the same selection
+                 from the raw logits (``ops.beam_top_k.log_softmax_top_k``: log-sum-exp per
+                 row, exact per-row top-(2k+1) over blocks, scores for those alone), bitwise
+                 equal to log_softmax then top_k (checked)
   gather_cache   what beam search reorders by parent beam after each step: every cache leaf
                  (beam4, ``generate(beam_cache="reorder")``), or only the `[rows, cache]` int32
                  ancestry of the cache that stays in place (beam4_in_place, the default:
@@ -45,6 +49,7 @@ from flaxformer_lite.decoding.generate import _decoder_call, init_cache
 from flaxformer_lite.models import BEAM_ANCESTORS, EncoderDecoder
 from flaxformer_lite.nn.config import TransformerConfig
 from flaxformer_lite.ops import beam_cache
+from flaxformer_lite.ops.beam_top_k import log_softmax_top_k, reference_top_k
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SRC_LEN = 24
@@ -183,6 +188,13 @@ def main() -> None:
         if beams > 1:
             pieces["top_k"] = (top, (flat,))
             pieces["top_k_2stage"] = (two, (logits,))
+            live = jnp.asarray(np.tile([0.0, -1.0, -2.0, -3.0][:k], (args.batch, 1)), jnp.float32)
+            by_beam = logits.reshape(args.batch, k, -1)
+            fused = jax.jit(lambda z, o: log_softmax_top_k(z, o, 2 * k))
+            pieces["select_fused"] = (fused, (by_beam, live))
+            plain = jax.jit(lambda z, o: reference_top_k(z, o, 2 * k))
+            for x, y in zip(fused(by_beam, live), plain(by_beam, live), strict=True):
+                assert np.array_equal(np.asarray(x), np.asarray(y)), "fused selection differs"
             pieces["gather_cache"] = (gather, (cache, parent))
             a, b = top(flat), two(logits)
             assert np.array_equal(np.asarray(a[1]), np.asarray(b[1])), "selections differ"
@@ -217,7 +229,8 @@ def main() -> None:
     ratio = (old["step_ms"] + old["gather_cache_ms"]) / (new["step_ms"] + new["gather_cache_ms"])
     summary = f"beam4 step + gather: reorder / in place = {ratio:.2f}x"
 
-    keys = ["step", "layers", "logits", "log_softmax", "top_k", "top_k_2stage", "gather_cache"]
+    keys = ["step", "layers", "logits", "log_softmax", "top_k", "top_k_2stage", "select_fused"]
+    keys.append("gather_cache")
     lines = ["| search | rows | cache | cache MiB | " + " | ".join(f"{k} ms" for k in keys) + " |"]
     lines.append("|" + "---|" * (len(keys) + 4))
     for e in rows_out:

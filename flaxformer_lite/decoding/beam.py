@@ -3,11 +3,13 @@ new_cache)``, as every search of :mod:`flaxformer_lite.decoding.search` (whose m
 gives the contract: shapes, PAD after EOS, ``row_max_len``, ``forced_eos``, ``banned_ids``).
 
 :func:`beam_search` is a loop over pure functions of one step, each testable on fixed arrays:
-candidate selection (:func:`select_candidates` with :func:`constrained_log_probs`,
-:func:`candidate_sequences`), the finishing rule (:func:`ended_candidates`,
-:func:`finished_candidates`, and when the search may stop: :func:`gnmt_can_improve`,
-:func:`hf_still_open`) and the state update (:func:`select_live`, :func:`flat_parents`,
-:func:`merge_finished`), between :func:`initial_beam_state` and :func:`final_hypotheses`.
+candidate selection (:func:`select_candidates` with :func:`constrained_log_probs`, or
+:func:`select_candidates_from_logits`, the same from the raw logits without materialising the
+log-probs, which the loop uses; :func:`candidate_sequences`), the finishing rule
+(:func:`ended_candidates`, :func:`finished_candidates`, and when the search may stop:
+:func:`gnmt_can_improve`, :func:`hf_still_open`) and the state update (:func:`select_live`,
+:func:`flat_parents`, :func:`merge_finished`), between :func:`initial_beam_state` and
+:func:`final_hypotheses`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from flaxformer_lite.decoding.search import (
     check_search_options,
     length_penalty,
 )
+from flaxformer_lite.ops.beam_top_k import log_softmax_top_k
 
 __all__ = ["beam_search"]
 
@@ -175,6 +178,65 @@ def select_candidates(
     cand = (live_log_probs[:, :, None] + logp).reshape(batch, beam * vocab)
     log_probs, flat_index = lax.top_k(cand, min(2 * beam, beam * vocab))  # sorted
     return log_probs, flat_index // vocab, (flat_index % vocab).astype(jnp.int32)
+
+
+def select_candidates_from_logits(
+    live_log_probs: jax.Array,
+    logits: jax.Array,
+    length: jax.Array | int,
+    limits: jax.Array,
+    *,
+    eos_id: int,
+    forced_eos: bool = False,
+    banned_ids: tuple[int, ...] = (),
+    renormalize: bool = False,
+    forced_bos_id: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`select_candidates` of ``log_softmax(logits)``, bitwise, from the raw logits.
+
+    For float32 logits without ``forced_bos_id`` the log-probs are never materialised
+    (:func:`flaxformer_lite.ops.beam_top_k.log_softmax_top_k`: per-row top-k of the logits,
+    scores for those alone, an exact fallback on near-ties), except with ``forced_eos`` at a
+    step where some element reaches its limit; there and otherwise this is
+    ``select_candidates(live_log_probs, log_softmax(logits).astype(float32), ...)``.
+
+    Args:
+      live_log_probs: float32 ``[batch, beam]``.
+      logits: float ``[batch, beam, vocab]`` the model's next-token logits.
+      length, limits, eos_id, forced_eos, banned_ids, renormalize, forced_bos_id: as in
+        :func:`select_candidates`.
+
+    Returns:
+      ``(log_probs, parents, tokens)`` as :func:`select_candidates`.
+    """
+    options = dict(
+        eos_id=eos_id,
+        forced_eos=forced_eos,
+        banned_ids=banned_ids,
+        renormalize=renormalize,
+        forced_bos_id=forced_bos_id,
+    )
+
+    def plain():
+        step_log_probs = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
+        return select_candidates(live_log_probs, step_log_probs, length, limits, **options)
+
+    if forced_bos_id is not None or logits.dtype != jnp.float32:
+        return plain()
+    banned_ids = check_search_options(forced_eos=forced_eos, banned_ids=banned_ids, eos_id=eos_id)
+    _, beam, vocab = logits.shape
+
+    def fused():
+        banned = _banned_mask(banned_ids, vocab)
+        n = min(2 * beam, beam * vocab)
+        log_probs, flat_index = log_softmax_top_k(logits, live_log_probs, n, banned, renormalize)
+        return log_probs, flat_index // vocab, (flat_index % vocab).astype(jnp.int32)
+
+    if not forced_eos:
+        return fused()
+    # Forced EOS changes whole elements at their limit (only EOS allowed): the plain path at
+    # the steps where some element reaches its limit, the fused one otherwise.
+    return lax.cond(jnp.any(length >= limits), plain, fused)
 
 
 def candidate_sequences(
@@ -593,12 +655,11 @@ def beam_search(
         length = step + 1  # tokens generated once this step's token is appended
         logits, new_cache = tokens_to_logits(state["live_tok"].reshape(-1, 1), state["cache"])
         logits = _checked_logits(logits, batch_size * k)
-        logp = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
 
         # Candidate selection: the best 2k one-token extensions of the live beams.
-        cand_logp, cand_parent, cand_tok = select_candidates(
+        cand_logp, cand_parent, cand_tok = select_candidates_from_logits(
             state["live_logp"],
-            logp.reshape(batch_size, k, logits.shape[-1]),
+            logits.reshape(batch_size, k, logits.shape[-1]),
             length,
             limits,
             eos_id=eos_id,

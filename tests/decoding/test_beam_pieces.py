@@ -29,6 +29,7 @@ from flaxformer_lite.decoding.beam import (
     initial_beam_state,
     merge_finished,
     select_candidates,
+    select_candidates_from_logits,
     select_live,
 )
 
@@ -176,6 +177,40 @@ def test_select_candidates_with_a_tiny_vocab_returns_all_beam_times_vocab():
 def test_select_candidates_bad_banned_ids(banned_ids, message):
     with pytest.raises(ValueError, match=message):
         select_candidates(LIVE_LOGP, STEP_LOGP, 1, LIMITS, eos_id=EOS_ID, banned_ids=banned_ids)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"banned_ids": (0, 3)},
+        {"forced_eos": True},
+        {"renormalize": True, "banned_ids": (0,)},
+        {"forced_bos_id": 4},
+    ],
+)
+@pytest.mark.parametrize("vocab", [5, 40])
+def test_select_candidates_from_logits_equals_selecting_from_the_log_softmax(options, vocab):
+    # The fused path (vocab 40; vocab 5 is not longer than a row's selection) and the plain
+    # one (forced_eos, renormalize, forced_bos_id) against selecting from the log-softmax: identical
+    # candidates, the log-probs bitwise; at length 6 every element is at its limit, so
+    # forced_eos acts.
+    import jax
+
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((2, 3, vocab)) * 3).astype(F32)
+    logits[0, 1, 5 % vocab :] = logits[0, 1, 0]  # exact ties in one row
+    live = np.array([[-0.5, -1.0, -1.0], [0.0, -INF, -INF]], F32)
+    for length in (2, 6):
+        got = select_candidates_from_logits(live, logits, length, LIMITS, eos_id=EOS_ID, **options)
+        step_logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+        want = select_candidates(live, step_logp, length, LIMITS, eos_id=EOS_ID, **options)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        if not options:  # the selection itself, independently: a stable sort in NumPy
+            _, parents, tokens = np_top_candidates(live, step_logp, 6)
+            np.testing.assert_array_equal(np.asarray(got[1]), parents)
+            np.testing.assert_array_equal(np.asarray(got[2]), tokens)
 
 
 def test_candidate_sequences_extend_their_parents():

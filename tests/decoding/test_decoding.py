@@ -1035,3 +1035,42 @@ def test_public_constants():
     # Sanity check of the enumeration helper: max_len 2, normal tokens {3, 4}:
     # [EOS] + 2 prefixes x 3 endings (EOS, 3, 4).
     assert len(np_exhaustive(TABLES, POS_BIAS, 0, BOS_ID, 2, 0.0)) == 1 + 2 * 3
+
+
+@pytest.mark.parametrize(
+    "beam_style,constraints",
+    [
+        ("gnmt", {}),
+        ("hf", {}),
+        ("hf", {"forced_eos": True, "banned_ids": (PAD_ID,), "renormalize": True}),
+    ],
+)
+def test_beam_search_selects_as_from_the_materialised_log_softmax(
+    monkeypatch, beam_style, constraints
+):
+    # Vocab 64 > 2 * beam + 1, so each step takes the fused selection
+    # (ops.beam_top_k.log_softmax_top_k); the reference is the search with the plain one,
+    # log_softmax then select_candidates, patched in. Rows of equal logits make ties.
+    from flaxformer_lite.decoding import beam as beam_module
+
+    table = make_markov_table(7, 64)
+    table[3:9, 10:40] = table[3:9, 10:11]  # exact ties within these rows
+    kwargs = dict(batch_size=3, beam_size=4, max_len=7, alpha=0.6, beam_style=beam_style)
+    kwargs.update(constraints, row_max_len=jnp.asarray([3, 7, 5], jnp.int32))
+    first = jnp.asarray([BOS_ID, 3, 5], jnp.int32)
+
+    def run():
+        return jax.jit(
+            lambda t: beam_search(markov_callback(t), {}, initial_tokens=first, **kwargs)
+        )(table)
+
+    got = run()
+
+    def plain(live, logits, length, limits, **options):
+        log_probs = jax.nn.log_softmax(logits, axis=-1).astype(jnp.float32)
+        return beam_module.select_candidates(live, log_probs, length, limits, **options)
+
+    monkeypatch.setattr(beam_module, "select_candidates_from_logits", plain)
+    want = run()
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
