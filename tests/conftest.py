@@ -76,6 +76,8 @@ SLOWEST_FIRST = (
     "tests/data/test_multihost_data.py::test_two_processes",  # 2 processes, then 1 with 8 devices
     "tests/ops/test_fastpaths.py::test_every_attention_kernel",  # an 8-device subprocess
     "tests/nn/test_scan_fused.py::test_scanned_model_initialises_sharded",  # ditto
+    "tests/interop/test_finetune_bart.py::test_the_workdir_holds",  # a 30 s fine-tune fixture
+    "tests/interop/test_hf_t5_finetune.py::test_a_t5_folder_fine_tunes",  # ditto
 )
 
 

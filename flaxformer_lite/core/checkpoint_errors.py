@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -130,7 +131,24 @@ class _QuietOrphans(logging.Filter):
             what in message
             for what in ("exception was never retrieved", "Task was destroyed but it is pending")
         )
-        return not (orphan and any(w in message for w in ("OCDBT", "orbax", "tensorstore")))
+        return not (orphan and _from_orbax(message, record.exc_info))
+
+
+def _from_orbax(message: str, exc_info: Any) -> bool:
+    """Whether an asyncio record concerns Orbax's work: its message names it, or its exception
+    (or one that exception was raised while handling) went through an Orbax file - a write
+    future's ``OSError(28, 'No space left on device')`` names no library in its message."""
+    if any(w in message for w in ("OCDBT", "orbax", "tensorstore")):
+        return True
+    error = exc_info[1] if isinstance(exc_info, tuple) else None
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            if f"{os.sep}orbax{os.sep}" in frame.f_code.co_filename:
+                return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _closed_loop(kind: type, value: BaseException | None) -> bool:
