@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from flaxformer_lite.interop import naming
+from flaxformer_lite.interop import fields, naming
 from flaxformer_lite.interop.naming import Tensor
 from flaxformer_lite.nn.config import TransformerConfig
 
@@ -301,20 +301,11 @@ WANTED = {
 
 def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str]:
     """What keeps ``config`` from being written as a Llama (or Qwen2) model (empty: nothing)."""
-    found = [
-        f"{name}={getattr(config, name)!r} (Llama: {value!r})"
-        for name, value in WANTED.items()
-        if getattr(config, name) != value
-    ]
+    found = fields.differences(
+        config, "Llama", WANTED, activations=None, dequantize=dequantize, decoder_only=True
+    )
     if config.output_vocab_size != config.vocab_size:
         found.append(f"target_vocab_size={config.target_vocab_size} (Llama: one vocabulary, None)")
-    if any(config.is_moe_layer(i) for i in range(config.num_decoder_layers)):
-        found.append(f"num_experts={config.num_experts} (Llama: dense feed-forward layers, 0)")
-    if config.quantization is not None and not dequantize:
-        found.append(
-            f"quantization={config.quantization!r} (Llama: float weights, None; "
-            "dequantize=True writes the int8 weights as float32 q * scale)"
-        )
     return found
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from flaxformer_lite.interop import naming
+from flaxformer_lite.interop import fields, naming
 from flaxformer_lite.interop.naming import Tensor
 from flaxformer_lite.nn.config import TransformerConfig
 
@@ -177,30 +177,15 @@ def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str
         "scale_attention_logits": True,
         "scale_decoder_output": False,
     }
-    found = [
-        f"{name}={getattr(config, name)!r} (Marian: {value!r})"
-        for name, value in wanted.items()
-        if getattr(config, name) != value
-    ]
-    if config.activation not in TO_HF_ACTIVATION:
-        found.append(f"activation={config.activation!r} (Marian: one of {list(TO_HF_ACTIVATION)})")
+    found = fields.differences(
+        config, "Marian", wanted, activations=TO_HF_ACTIVATION, dequantize=dequantize
+    )
     if config.kv_heads != config.num_heads:
         found.append(f"num_kv_heads={config.num_kv_heads} (Marian: multi-head, None)")
     if config.effective_head_dim * config.num_heads != config.d_model:
         found.append(
             f"head_dim={config.head_dim} (Marian: d_model / num_heads = "
             f"{config.d_model / config.num_heads:g}, or None)"
-        )
-    layers = max(config.num_encoder_layers, config.num_decoder_layers)
-    if any(config.is_moe_layer(i) for i in range(layers)):
-        found.append(
-            f"num_experts={config.num_experts} with moe_every={config.moe_every} (Marian: "
-            "dense feed-forward layers, num_experts=0)"
-        )
-    if config.quantization is not None and not dequantize:
-        found.append(
-            f"quantization={config.quantization!r} (Marian: float weights, None; "
-            "dequantize=True, or --dequantize, writes the int8 weights as float32 q * scale)"
         )
     return found
 
@@ -418,13 +403,7 @@ def state_dict_from_params(params: Params, config: TransformerConfig) -> dict[st
 # ----------------------------------------------------------------------------- generation
 
 
-def generation_ids(config: TransformerConfig) -> dict[str, int]:
-    """The special ids a Marian ``generation_config.json`` names."""
-    return {
-        "decoder_start_token_id": config.bos_id,
-        "eos_token_id": config.eos_id,
-        "pad_token_id": config.pad_id,
-    }
+generation_ids = fields.seq2seq_generation_ids  # the special ids generation_config.json names
 
 
 def default_generation(config: TransformerConfig) -> dict[str, Any]:

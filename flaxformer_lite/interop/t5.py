@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from flaxformer_lite.interop import naming
+from flaxformer_lite.interop import fields, naming
 from flaxformer_lite.interop.naming import Tensor
 from flaxformer_lite.nn.config import TransformerConfig
 
@@ -245,25 +245,9 @@ def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str
         "qkv_bias": False,
         "embedding_norm": False,
     }
-    found = [
-        f"{name}={getattr(config, name)!r} (T5: {value!r})"
-        for name, value in wanted.items()
-        if getattr(config, name) != value
-    ]
-    if config.activation not in TO_HF_FEED_FORWARD:
-        found.append(f"activation={config.activation!r} (T5: one of {list(TO_HF_FEED_FORWARD)})")
-    layers = max(config.num_encoder_layers, config.num_decoder_layers)
-    if any(config.is_moe_layer(i) for i in range(layers)):
-        found.append(
-            f"num_experts={config.num_experts} with moe_every={config.moe_every} (T5: dense "
-            "feed-forward layers, num_experts=0)"
-        )
-    if config.quantization is not None and not dequantize:
-        found.append(
-            f"quantization={config.quantization!r} (T5: float weights, None; dequantize=True "
-            "writes the int8 weights as float32 q * scale)"
-        )
-    return found
+    return fields.differences(
+        config, "T5", wanted, activations=TO_HF_FEED_FORWARD, dequantize=dequantize
+    )
 
 
 def config_to_hf(config: TransformerConfig, *, dequantize: bool = False) -> dict[str, Any]:
@@ -413,20 +397,13 @@ def state_dict_from_params(params: Params, config: TransformerConfig) -> dict[st
     inverse of ``params_from_state_dict``: ``shared.weight`` once (transformers ties the
     encoder's and decoder's tables, and ``lm_head`` when tied, to it), ``lm_head.weight``
     when untied."""
-    state = naming.state_from_params(params, tensors(config))
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items()}
+    return naming.state_from_params(params, tensors(config))
 
 
 # ----------------------------------------------------------------------------- generation
 
 
-def generation_ids(config: TransformerConfig) -> dict[str, int]:
-    """The special ids a T5 ``generation_config.json`` names."""
-    return {
-        "decoder_start_token_id": config.bos_id,
-        "eos_token_id": config.eos_id,
-        "pad_token_id": config.pad_id,
-    }
+generation_ids = fields.seq2seq_generation_ids  # the special ids generation_config.json names
 
 
 def default_generation(config: TransformerConfig) -> dict[str, Any]:
