@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -48,7 +49,15 @@ from flaxformer_lite.interop import init_from
 from flaxformer_lite.models import DecoderOnly, EncoderClassifier, EncoderDecoder
 from flaxformer_lite.nn import moe
 from flaxformer_lite.nn.config import TransformerConfig
-from flaxformer_lite.training import checkpoint_faults, flops, losses, optim, preflight, run_lock
+from flaxformer_lite.training import (
+    checkpoint_faults,
+    flops,
+    losses,
+    optim,
+    preflight,
+    run_lock,
+    time_budget,
+)
 from flaxformer_lite.training.metrics import MetricWriter
 from flaxformer_lite.training.preemption import Preemption
 
@@ -99,15 +108,16 @@ def model_config(config: Any, task: tasks.Task) -> TransformerConfig:
 
 
 def make_optimizer(
-    config: Any, d_model: int
+    config: Any, d_model: int, total_steps: int | None = None
 ) -> tuple[optax.Schedule, optax.GradientTransformation]:
-    """The run's learning-rate schedule and optimizer, as ``config`` names them; parameters
-    matching a ``config.freeze`` pattern get no updates (``optim.with_frozen``)."""
+    """The run's learning-rate schedule and optimizer, as ``config`` names them, ending at
+    ``total_steps`` (default ``config.num_train_steps``); parameters matching a
+    ``config.freeze`` pattern get no updates (``optim.with_frozen``)."""
     schedule = optim.make_schedule(
         config.schedule,
         learning_rate=config.learning_rate,
         warmup_steps=config.warmup_steps,
-        total_steps=config.num_train_steps,
+        total_steps=config.num_train_steps if total_steps is None else total_steps,
         d_model=d_model,
     )
     tx = optim.make_optimizer(
@@ -666,6 +676,7 @@ def train_and_evaluate(
 
 def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[str, float]:
     """``train_and_evaluate`` in ``workdir`` (resolved; its run lock held)."""
+    started = clock()  # a time budget counts from here: data, vocabulary, compiling included
     is_main = jax.process_index() == 0
     log = print if is_main else (lambda *a, **k: None)
 
@@ -688,8 +699,22 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
             if generation is not None:
                 paths.write_atomic(generation_path, json.dumps(generation, indent=2) + "\n")
 
+    # The step count: config.num_train_steps, or the one a time budget decided (None: the
+    # budget decides it at its first evaluation; until then only warmup steps run).
+    budget = config.get("time_budget_minutes")
+    decision = shared_decision(time_budget.read(workdir) if is_main else None)
+    num_steps = (
+        config.num_train_steps
+        if budget is None
+        else decision.num_train_steps
+        if decision is not None
+        else None
+    )
+    if decision is not None:
+        log(f"{decision.line()}, read from {time_budget.FILE}")
+
     # Optimizer, mesh, and the train state initialised directly into its shards.
-    schedule, tx = make_optimizer(config, cfg.d_model)
+    schedule, tx = make_optimizer(config, cfg.d_model, num_steps)
     mesh = sharding.make_mesh(config.mesh_shape)
     sharding.check_attention_fits_mesh(cfg, mesh)  # before anything is initialised
     example = jax.tree_util.tree_map(lambda x: jnp.asarray(x[:1]), task.eval_batches[0])
@@ -778,7 +803,7 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
 
     start_step = int(state.step)
     bar = tqdm(
-        total=config.num_train_steps,
+        total=num_steps,
         initial=start_step,
         disable=not is_main,
         dynamic_ncols=True,
@@ -789,6 +814,7 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
     preemption = Preemption()
     window, pending = LogWindow(), []
     compiled_shapes: set[tuple] = set()  # batch shapes step_fn has been compiled for
+    paced_from: tuple[int, float] | None = None  # (step, seconds into the run) once compiled
     eval_metrics: dict[str, float] = {}
     sync = functools.partial(
         fetch_into,
@@ -798,7 +824,9 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
 
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
-            for step in range(start_step, config.num_train_steps):
+            for step in itertools.count(start_step):
+                if num_steps is not None and step >= num_steps:
+                    break
                 batch = sharding.host_local_to_global(task.train.next(), mesh)
                 shapes = tuple((k, v.shape) for k, v in sorted(batch.items()))
                 compiles = shapes not in compiled_shapes  # the first step, a new bucket
@@ -814,7 +842,7 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                 pending.append(PendingStep(done, metrics, batch_flops, timed))
                 bar.update(1)
                 log_now = done % config.log_every == 0
-                save_now = done % config.checkpoint_every == 0 and done != config.num_train_steps
+                save_now = done % config.checkpoint_every == 0 and done != num_steps
                 eval_now = bool(config.eval_every) and done % config.eval_every == 0
                 preempted = preemption.reached(done - start_step)  # every step, in order
                 stop = preempted or (stop_at is not None and done >= stop_at)
@@ -828,6 +856,8 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                 sync(window, pending)
                 pending = []
                 window.stop_clock(clock())
+                if compiles and paced_from is None:
+                    paced_from = (done, clock() - started)
                 if save_failed:  # the steps since the last intact checkpoint are lost: no row
                     checkpoint_faults.raise_save_failure(checkpointer, done)
                 if log_now or stop:  # a stopped run logs its last, partial window
@@ -844,6 +874,28 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                     return {}
                 if eval_now:
                     eval_metrics = evaluate(run, state.params, done)
+                    if num_steps is None and paced_from is not None and done > paced_from[0]:
+                        decision = shared_decision(
+                            time_budget.decide(
+                                minutes=budget,
+                                step=done,
+                                seconds_spent=clock() - started,
+                                since_step=paced_from[0],
+                                since_seconds=paced_from[1],
+                            )
+                        )
+                        if is_main:
+                            time_budget.write(workdir, decision)
+                        log(decision.line())
+                        num_steps = decision.num_train_steps
+                        bar.total = num_steps
+                        bar.refresh()
+                        # The schedule now ends at num_steps: the next step compiles again.
+                        schedule, tx = make_optimizer(config, cfg.d_model, num_steps)
+                        step_fn = jit_train_step(
+                            config, model, task.kind, tx, schedule, state_shardings, mesh
+                        )
+                        compiled_shapes.clear()
                 window.start_clock(clock())
 
             final = int(state.step)
@@ -864,6 +916,22 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
         run.writer.close()
         checkpointer.close()  # last: raises a save failure it is the first to see
     return eval_metrics
+
+
+def shared_decision(decision: time_budget.Decision | None) -> time_budget.Decision | None:
+    """Process 0's time-budget decision on every process (each measured its own clock; the
+    step count must be one)."""
+    if jax.process_count() == 1:
+        return decision
+    from jax.experimental import multihost_utils
+
+    steps = decision.num_train_steps if decision is not None else -1
+    steps = int(multihost_utils.broadcast_one_to_all(np.int64(steps)))
+    if steps < 0:
+        return None
+    if decision is None:  # only process 0 reads the workdir's file
+        return time_budget.Decision(math.nan, -1, math.nan, math.nan, steps)
+    return dataclasses.replace(decision, num_train_steps=steps)
 
 
 def warn(is_main: bool) -> Callable[[str], None]:

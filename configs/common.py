@@ -34,6 +34,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Resume from this checkpoint step instead of the newest readable one (None: the newest);
     # the newer steps are moved to checkpoints-set-aside/ and trained again.
     c.restore_step = ml_collections.config_dict.placeholder(int)
+    # A wall-clock budget in minutes instead of num_train_steps (None: off): the run measures
+    # its own pace and decides its step count at its first evaluation, so the schedule anneals
+    # to zero at the budget on any machine (flaxformer_lite/training/time_budget.py).
+    c.time_budget_minutes = ml_collections.config_dict.placeholder(float)
 
     # Devices: (data, fsdp, tensor); -1 fills the remaining devices.
     c.mesh_shape = (-1, 1, 1)

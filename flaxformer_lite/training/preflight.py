@@ -52,7 +52,7 @@ COMMON_KEYS = (
 
 # Keys any run may add: start from pretrained weights (train.py workdir, Hugging Face Marian
 # folder or hub id; flaxformer_lite/interop/init_from.py) and parameter-name patterns to freeze.
-OPTIONAL_KEYS = ("init_from", "freeze")
+OPTIONAL_KEYS = ("init_from", "freeze", "time_budget_minutes")
 
 # The further keys each task reads (flaxformer_lite/data/tasks/, build_translation_data) or
 # that the inference CLIs read from the run's config.json (beam_size, alpha).
@@ -354,6 +354,7 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
     _bool(config, "skip_nonfinite_steps")
     _bool(config, "decode_eval")
     _int_at_least(config, "num_train_steps", 1)
+    _check_time_budget(config)
     _int_at_least(config, "log_every", 1)
     _int_at_least(config, "eval_every", 0, " (0 = evaluate only at the end)")
     _int_at_least(config, "checkpoint_every", 1)
@@ -397,6 +398,27 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
             f"(data x fsdp of config.mesh_shape {mesh})"
         )
     _check_model(config, vocab_size, max_len)
+
+
+def _check_time_budget(config: Any) -> None:
+    """A time budget decides the step count at the first evaluation (training/time_budget.py):
+    there must be one, and for the cosine schedule it must come while the rate still warms
+    up (the decay depends on the step count)."""
+    minutes = config.get("time_budget_minutes")
+    if minutes is None:
+        return
+    _number_in(config, "time_budget_minutes", 0.0, None, "(0, inf) (None = off)", open_low=True)
+    if not config.eval_every:
+        raise ConfigError(
+            "config.eval_every must be a positive integer with config.time_budget_minutes: "
+            "the step count is decided after the first evaluation; got 0"
+        )
+    if config.schedule == "cosine" and config.eval_every > config.warmup_steps:
+        raise ConfigError(
+            f"config.eval_every ({config.eval_every}) must be <= config.warmup_steps "
+            f"({config.warmup_steps}) with config.time_budget_minutes and the cosine schedule: "
+            f"the step count, which the decay depends on, is decided at the first evaluation"
+        )
 
 
 def _check_mesh(shape: Any, device_count: int | None) -> tuple[int, ...]:
@@ -563,7 +585,7 @@ def check_resume(config: Any, workdir: str) -> None:
     _check_restore_step(config, root)
     if step is None:
         return
-    if config.num_train_steps < step:
+    if config.get("time_budget_minutes") is None and config.num_train_steps < step:
         raise ConfigError(
             f"config.num_train_steps ({config.num_train_steps}) is below the latest checkpoint "
             f"step {step} in {root / 'checkpoints'}; set it >= {step} to resume, or use a new "
