@@ -19,6 +19,10 @@ rotates every round, so machine load hits every system alike), greedy and beam 4
 * ``flaxformer_lite-int8``: ours with ``quantize.quantize_params`` and
   ``quantization="int8"`` (int8 weights per output channel, int8 activations per row, int32
   accumulation: CTranslate2's int8 scheme).
+* ``flaxformer_lite-bf16``: ours with the weights stored and the matmuls computed in bfloat16
+  (``Translator(dtype="bfloat16")``'s ``with_dtype``), against ``ct2-bfloat16`` and
+  ``ct2-int8_bfloat16`` (CTranslate2's compute types, where the CPU has them:
+  ``ctranslate2.get_supported_compute_types("cpu")``).
 
 Every system must produce exactly ``new`` tokens per sentence: the final logits bias of EOS and
 of pad is -1e4 in the shared weights, so no system can end a sentence early (checked: no EOS in
@@ -36,6 +40,8 @@ a markdown table. Needs the bench extra (transformers, torch, ctranslate2).
     .venv/bin/python bench/translate_speed.py --systems flaxformer_lite flaxformer_lite-int8 \
         ct2-float32 ct2-int8 --batches 8 32 --new_tokens 32   # the int8 comparison alone
     .venv/bin/python bench/translate_speed.py --methods beam4 --batches 1 32 --new_tokens 32
+    .venv/bin/python bench/translate_speed.py --systems flaxformer_lite-bf16 ct2-float32 \
+        ct2-bfloat16 ct2-int8_bfloat16 --batches 1 32 --new_tokens 32   # bfloat16 alone
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import jax
 import numpy as np
 
 from flaxformer_lite.decoding.generate import default_mesh, generate_jit
+from flaxformer_lite.inference.translator import with_dtype
 from flaxformer_lite.interop import hf
 from flaxformer_lite.ops.quantize import quantize_params
 
@@ -96,7 +103,16 @@ SYSTEMS = (
     "ct2-float32",
     "ct2-int8",
     "flaxformer_lite-int8",
+    "flaxformer_lite-bf16",
+    "ct2-bfloat16",
+    "ct2-int8_bfloat16",
 )
+CT2_SYSTEMS = {  # name: compute_type
+    "ct2-float32": "float32",
+    "ct2-int8": "int8",
+    "ct2-bfloat16": "bfloat16",
+    "ct2-int8_bfloat16": "int8_bfloat16",
+}
 METHODS = {"greedy": 1, "beam4": 4}
 
 
@@ -194,11 +210,17 @@ def main() -> None:
         mesh = default_mesh()
         config_q = config.replace(quantization="int8")
         params_q = quantize_params(params, config)
+        params_bf16, config_bf16 = with_dtype(params, config, "bfloat16")
+        supported = ctranslate2.get_supported_compute_types("cpu")
+        for name, kind in CT2_SYSTEMS.items():
+            if name in systems and kind not in supported:
+                raise SystemExit(f"{name}: this CPU's CTranslate2 supports only {supported}")
         translators = {
             name: ctranslate2.Translator(
                 str(ct2_dir), device="cpu", compute_type=kind, intra_threads=threads
             )
-            for name, kind in (("ct2-float32", "float32"), ("ct2-int8", "int8"))
+            for name, kind in CT2_SYSTEMS.items()
+            if name in systems or name == "ct2-float32"
         }
         index = {t: i for i, t in enumerate(vocab)}
         rng = np.random.default_rng(0)
@@ -230,6 +252,11 @@ def main() -> None:
                     compiled_q = (
                         compile_ours(params_q, config_q)
                         if "flaxformer_lite-int8" in systems
+                        else None
+                    )
+                    compiled_bf16 = (
+                        compile_ours(params_bf16, config_bf16)
+                        if "flaxformer_lite-bf16" in systems
                         else None
                     )
                     reordering = (
@@ -274,6 +301,11 @@ def main() -> None:
                         "flaxformer_lite-int8": lambda c=compiled_q, s=src: run_ours(
                             c, s, params_q
                         ),
+                        "flaxformer_lite-bf16": lambda c=compiled_bf16, s=src: run_ours(
+                            c, s, params_bf16
+                        ),
+                        "ct2-bfloat16": lambda: run_ct2("ct2-bfloat16"),
+                        "ct2-int8_bfloat16": lambda: run_ct2("ct2-int8_bfloat16"),
                     }
                     cell = tuple(s for s in systems if beams > 1 or s != "ours-reorder")
                     times = {name: [] for name in cell}
@@ -305,6 +337,10 @@ def main() -> None:
         ("ct2-int8 / ct2-f32", "ct2-int8", "ct2-float32"),
         ("ours-int8 / ours", "flaxformer_lite-int8", "flaxformer_lite"),
         ("ours-int8 / ct2-int8", "flaxformer_lite-int8", "ct2-int8"),
+        ("ours-bf16 / ours", "flaxformer_lite-bf16", "flaxformer_lite"),
+        ("ours-bf16 / ct2-bf16", "flaxformer_lite-bf16", "ct2-bfloat16"),
+        ("ours-bf16 / ct2-int8-bf16", "flaxformer_lite-bf16", "ct2-int8_bfloat16"),
+        ("ct2-bf16 / ct2-f32", "ct2-bfloat16", "ct2-float32"),
     ]
     ratios = [r for r in ratios if r[1] in systems and r[2] in systems]
     agree = [s for s in systems if s != "flaxformer_lite"]

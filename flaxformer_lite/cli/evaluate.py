@@ -105,7 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{len(references)}: they must be aligned"
             )
         translator = Translator.from_pretrained(
-            args.workdir, step=args.step, average=args.average, quantize=args.quantize
+            args.workdir,
+            step=args.step,
+            average=args.average,
+            quantize=args.quantize,
+            dtype=args.dtype,
         )
         generation = generation_from_flags(args, translator.generation)
         hypotheses = translator.translate(
@@ -132,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "average": args.average,
             "method": generation.method,
             "quantize": args.quantize,
+            "dtype": translator.config.dtype,
             "beam_size": generation.beam_size,
             "alpha": generation.alpha,
             "generation": generation.to_dict(),

@@ -207,6 +207,12 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="int8: decode with int8 weights and activations (default: float)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="store the weights and compute the matmuls in this dtype (default: the model's)",
+    )
 
 
 def generation_from_flags(args: argparse.Namespace, default: GenerationConfig) -> GenerationConfig:
@@ -254,7 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sentences = None if stdin else read_input(parser, "--input", args.input)
         translator = Translator.from_pretrained(
-            args.workdir, step=args.step, average=args.average, quantize=args.quantize
+            args.workdir,
+            step=args.step,
+            average=args.average,
+            quantize=args.quantize,
+            dtype=args.dtype,
         )
         if stdin:
             sentences = read_input(parser, "--input", args.input)

@@ -132,6 +132,26 @@ def load_vocabularies(workdir: str) -> tuple[Vocabulary, Vocabulary]:
 
 # ----------------------------------------------------------------------------- translator
 
+DECODE_DTYPES = ("float32", "bfloat16")
+
+
+def with_dtype(params: Any, config: TransformerConfig, dtype: str) -> tuple[Any, TransformerConfig]:
+    """``params`` (floating leaves) cast to ``dtype`` and ``config`` computing and storing
+    parameters in it.
+
+    Raises:
+      ValueError: ``dtype`` is not one of :data:`DECODE_DTYPES`.
+    """
+    if dtype not in DECODE_DTYPES:
+        raise ValueError(f"dtype must be one of {DECODE_DTYPES} (None: the model's); got {dtype!r}")
+    target = jnp.dtype(dtype)
+
+    def cast(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        return x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree_util.tree_map(cast, params), config.replace(dtype=dtype, param_dtype=dtype)
+
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -156,6 +176,11 @@ class Translator:
       quantize: None, or "int8": decode with int8 weights and activations (the float
         ``params`` are quantized here by ``quantize.quantize_params``; ``config`` then has
         ``quantization="int8"``).
+      dtype: None (the model's), or one of :data:`DECODE_DTYPES`: decode with the parameters
+        stored and the matmuls computed in that dtype (``config`` then has it as ``dtype``
+        and ``param_dtype``; softmax, layer norms' statistics and the search's scores stay
+        float32). "bfloat16" halves the weights' memory traffic; with ``quantize`` it is the
+        dtype of everything but the int8 matmuls.
       **overrides: GenerationConfig fields replacing ``generation``'s, e.g. ``beam_size=2``.
 
     A ``scan_layers`` model is converted once, here, to its unrolled equivalent
@@ -181,11 +206,14 @@ class Translator:
         name: str = "",
         mesh: jax.sharding.Mesh | None = None,
         quantize: str | None = None,
+        dtype: str | None = None,
         **overrides: Any,
     ) -> None:
         check_quantization(quantize, "quantize")
         generation = resolve(generation, overrides, DEFAULT_GENERATION)
         params, config = unrolled(params, config)
+        if dtype is not None:
+            params, config = with_dtype(params, config, dtype)
         if quantize is not None and config.quantization is None:
             params = quantize_params(params, config)
             config = config.replace(quantization=quantize)
@@ -247,6 +275,7 @@ class Translator:
         average: int = 1,
         mesh: jax.sharding.Mesh | None = None,
         quantize: str | None = None,
+        dtype: str | None = None,
     ) -> Translator:
         """Loads the model config, vocabulary and parameters of a ``train.py`` workdir.
 
@@ -257,6 +286,7 @@ class Translator:
             (checkpoint averaging; 1 = that checkpoint alone).
           mesh: the devices that decode (see the class); None = every device.
           quantize: None or "int8" (see the class).
+          dtype: None (the run's) or "bfloat16" / "float32" (see the class).
 
         Raises:
           FileNotFoundError: no such workdir, no ``model_config.json``, no vocabulary, no
@@ -319,6 +349,7 @@ class Translator:
             name=f"{workdir} ({label})",
             mesh=mesh,
             quantize=quantize,
+            dtype=dtype,
         )
 
     @classmethod
@@ -328,6 +359,7 @@ class Translator:
         *,
         mesh: jax.sharding.Mesh | None = None,
         quantize: str | None = None,
+        dtype: str | None = None,
         per_row_max_len: bool = False,
         **workdir_kwargs: Any,
     ) -> Translator:
@@ -343,7 +375,7 @@ class Translator:
 
         Args:
           source: a workdir, a Hugging Face folder or a hub id.
-          mesh, quantize: as in the class.
+          mesh, quantize, dtype: as in the class.
           per_row_max_len: a Hugging Face folder: give each row this library's own limit,
             ``min(max_len, 1.5 * source + 10)`` tokens (``max_len="source"``), instead of the
             folder's ``max_length`` (a deliberate departure from ``generate``: a short
@@ -362,7 +394,9 @@ class Translator:
         if not isinstance(per_row_max_len, bool):
             raise ValueError(f"per_row_max_len must be True or False; got {per_row_max_len!r}")
         if is_workdir(source):
-            return cls.from_workdir(source, mesh=mesh, quantize=quantize, **workdir_kwargs)
+            return cls.from_workdir(
+                source, mesh=mesh, quantize=quantize, dtype=dtype, **workdir_kwargs
+            )
         base = pretrained_config(source)  # config.json alone: checks before the weights
         generation = GenerationConfig.from_hugging_face(source, base)
         if per_row_max_len:
@@ -389,6 +423,7 @@ class Translator:
             generation=generation,
             name=str(source),
             mesh=mesh,
+            dtype=dtype,
             quantize=quantize,
         )
 

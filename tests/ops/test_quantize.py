@@ -172,3 +172,30 @@ def test_invalid_quantization_is_a_clear_error(capsys):
         EncoderClassifier(small_config(quantization="int8")).init(jax.random.key(0), tokens)
     with pytest.raises(ValueError, match="scan_layers"):
         quantize_params({}, small_config(scan_layers=True))
+
+
+def test_bfloat16_decoding_stores_bfloat16_weights_and_mostly_agrees(workdir, tmp_path):
+    float_translator = Translator.from_workdir(str(workdir))
+    bf16 = Translator.from_workdir(str(workdir), dtype="bfloat16")
+    assert (bf16.config.dtype, bf16.config.param_dtype) == ("bfloat16", "bfloat16")
+    leaves = jax.tree_util.tree_leaves(bf16.params)
+    assert leaves and all(x.dtype == jnp.bfloat16 for x in leaves)
+    # int8 weights with bfloat16 activations (CTranslate2's int8_bfloat16).
+    both = Translator.from_workdir(str(workdir), quantize="int8", dtype="bfloat16")
+    assert both.params["encoder"]["layers_0"]["mlp"]["wi"]["kernel"].dtype == jnp.int8
+    lines = [
+        "".join(map(str, np.random.default_rng(i).integers(0, 10, 2 + i % 5))) for i in range(32)
+    ]
+    ref = float_translator.translate(lines, method="greedy", batch_size=32)
+    for translator in (bf16, both):
+        out = translator.translate(lines, method="greedy", batch_size=32)
+        same = sum(a == b for a, b in zip(ref, out, strict=True))
+        assert same >= 0.85 * len(lines), list(zip(ref, out, strict=True))
+    (tmp_path / "in.txt").write_text("\n".join(lines[:4]) + "\n")
+    argv = ["--workdir", str(workdir), "--method", "greedy", "--dtype", "bfloat16"]
+    argv += ["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.txt")]
+    assert translate.main(argv) == 0
+    expected = bf16.translate(lines[:4], method="greedy")
+    assert (tmp_path / "out.txt").read_text().splitlines() == expected
+    with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
+        Translator.from_workdir(str(workdir), dtype="float16")

@@ -1,0 +1,97 @@
+"""Choose a Multi30k run's decoding settings on val, then score them once on test2016.
+
+    python bench/multi30k_select.py --workdir runs/m30k --data ../shared/data/multi30k \
+        --averages 1 5 10 --alphas 0.6 1.0 1.5 --out bench/results/multi30k/select.json
+
+Every (checkpoints averaged, beam size, alpha) cell is decoded on val only and scored with
+sacrebleu (cased and lowercased, the evaluate CLI's ``bleu_report``); the cell with the best
+val BLEU (cased, then lowercased) is chosen, and only then are test2016's scores computed:
+for the chosen cell and for the plain one (the last checkpoint, the run's configured beam
+and alpha), the two rows an ablation table needs. test2016 never takes part in the choice.
+The chosen cell is the `python -m flaxformer_lite.cli.evaluate --average N --beam_size B
+--alpha A` command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from flaxformer_lite.cli.evaluate import bleu_report
+from flaxformer_lite.inference.translator import Translator
+
+
+def read_lines(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def score(translator: Translator, sources, references, *, beam_size: int, alpha: float):
+    """Cased and lowercased BLEU of beam search with these settings (the CLI's defaults)."""
+    generation = translator.generation.replace(method="beam", beam_size=beam_size, alpha=alpha)
+    start = time.perf_counter()
+    hypotheses = translator.translate(sources, generation)
+    seconds = time.perf_counter() - start
+    report = bleu_report(hypotheses, [" ".join(r.split()) for r in references])
+    return {
+        "bleu": round(report["bleu"].score, 2),
+        "bleu_lowercase": round(report["bleu_lowercase"].score, 2),
+        "signature": report["signature"],
+        "signature_lowercase": report["signature_lowercase"],
+        "seconds": round(seconds, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--data", required=True, help="folder with val.* and test2016.*")
+    parser.add_argument("--source_lang", default="en")
+    parser.add_argument("--target_lang", default="de")
+    parser.add_argument("--averages", type=int, nargs="+", default=[1])
+    parser.add_argument("--beam_sizes", type=int, nargs="+", default=[4])
+    parser.add_argument("--alphas", type=float, nargs="+", default=[1.0])
+    parser.add_argument("--out", required=True, help="JSON record of every cell")
+    args = parser.parse_args()
+
+    def split(name: str):
+        src = read_lines(os.path.join(args.data, f"{name}.{args.source_lang}"))
+        ref = read_lines(os.path.join(args.data, f"{name}.{args.target_lang}"))
+        return src, ref
+
+    val, test = split("val"), split("test2016")
+    with open(os.path.join(args.workdir, "config.json")) as f:
+        run_config = json.load(f)
+    plain = (1, run_config.get("beam_size", 4), run_config.get("alpha", 1.0))
+
+    cells, translators = [], {}
+    for average in args.averages:
+        translators[average] = Translator.from_workdir(args.workdir, average=average)
+        for beam_size in args.beam_sizes:
+            for alpha in args.alphas:
+                row = {"average": average, "beam_size": beam_size, "alpha": alpha}
+                row["val"] = score(translators[average], *val, beam_size=beam_size, alpha=alpha)
+                cells.append(row)
+                print(json.dumps(row), flush=True)
+    best = max(cells, key=lambda r: (r["val"]["bleu"], r["val"]["bleu_lowercase"]))
+    chosen = (best["average"], best["beam_size"], best["alpha"])
+    record = {"workdir": args.workdir, "checkpoint_steps": None, "cells": cells, "test2016": {}}
+    for label, (average, beam_size, alpha) in (("plain", plain), ("chosen", chosen)):
+        if average not in translators:
+            translators[average] = Translator.from_workdir(args.workdir, average=average)
+        result = score(translators[average], *test, beam_size=beam_size, alpha=alpha)
+        record["test2016"][label] = {
+            "average": average, "beam_size": beam_size, "alpha": alpha, **result,
+            "name": translators[average].name,
+        }  # fmt: skip
+        print(label, json.dumps(record["test2016"][label]), flush=True)
+    record["checkpoint_steps"] = {a: t.name for a, t in translators.items()}
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
