@@ -137,26 +137,36 @@ def workdir(tmp_path_factory) -> Path:
     return path
 
 
+# 32 digit strings of 2 to 6 digits: the synthetic task's inputs.
+LINES = ["".join(map(str, np.random.default_rng(i).integers(0, 10, 2 + i % 5))) for i in range(32)]
+
+
+def assert_mostly_agrees(reference: Translator, translator: Translator) -> None:
+    """Greedy translations of LINES equal on at least 85% of them."""
+    ref = reference.translate(LINES, method="greedy", batch_size=32)
+    out = translator.translate(LINES, method="greedy", batch_size=32)
+    same = sum(a == b for a, b in zip(ref, out, strict=True))
+    assert same >= 0.85 * len(LINES), list(zip(ref, out, strict=True))
+
+
+def assert_cli_matches(workdir, tmp_path, flags: list[str], translator: Translator) -> None:
+    """The translate CLI with ``flags`` prints ``translator``'s strings."""
+    (tmp_path / "in.txt").write_text("\n".join(LINES[:4]) + "\n")
+    argv = ["--workdir", str(workdir), "--method", "greedy", *flags]
+    argv += ["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.txt")]
+    assert translate.main(argv) == 0
+    expected = translator.translate(LINES[:4], method="greedy")
+    assert (tmp_path / "out.txt").read_text().splitlines() == expected
+
+
 def test_trained_model_greedy_tokens_mostly_equal_in_int8(workdir, tmp_path):
     float_translator = Translator.from_workdir(str(workdir))
     int8_translator = Translator.from_workdir(str(workdir), quantize="int8")
     assert int8_translator.config.quantization == "int8"
     kernel = int8_translator.params["encoder"]["layers_0"]["mlp"]["wi"]["kernel"]
     assert kernel.dtype == jnp.int8
-    lines = [
-        "".join(map(str, np.random.default_rng(i).integers(0, 10, 2 + i % 5))) for i in range(32)
-    ]
-    ref = float_translator.translate(lines, method="greedy", batch_size=32)
-    out = int8_translator.translate(lines, method="greedy", batch_size=32)
-    same = sum(a == b for a, b in zip(ref, out, strict=True))
-    assert same >= 0.85 * len(lines), list(zip(ref, out, strict=True))
-    # The CLI flag: the same strings as the int8 translator.
-    (tmp_path / "in.txt").write_text("\n".join(lines[:4]) + "\n")
-    argv = ["--workdir", str(workdir), "--method", "greedy", "--quantize", "int8"]
-    argv += ["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.txt")]
-    assert translate.main(argv) == 0
-    expected = int8_translator.translate(lines[:4], method="greedy")
-    assert (tmp_path / "out.txt").read_text().splitlines() == expected
+    assert_mostly_agrees(float_translator, int8_translator)
+    assert_cli_matches(workdir, tmp_path, ["--quantize", "int8"], int8_translator)
 
 
 def test_invalid_quantization_is_a_clear_error(capsys):
@@ -183,19 +193,8 @@ def test_bfloat16_decoding_stores_bfloat16_weights_and_mostly_agrees(workdir, tm
     # int8 weights with bfloat16 activations (CTranslate2's int8_bfloat16).
     both = Translator.from_workdir(str(workdir), quantize="int8", dtype="bfloat16")
     assert both.params["encoder"]["layers_0"]["mlp"]["wi"]["kernel"].dtype == jnp.int8
-    lines = [
-        "".join(map(str, np.random.default_rng(i).integers(0, 10, 2 + i % 5))) for i in range(32)
-    ]
-    ref = float_translator.translate(lines, method="greedy", batch_size=32)
-    for translator in (bf16, both):
-        out = translator.translate(lines, method="greedy", batch_size=32)
-        same = sum(a == b for a, b in zip(ref, out, strict=True))
-        assert same >= 0.85 * len(lines), list(zip(ref, out, strict=True))
-    (tmp_path / "in.txt").write_text("\n".join(lines[:4]) + "\n")
-    argv = ["--workdir", str(workdir), "--method", "greedy", "--dtype", "bfloat16"]
-    argv += ["--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "out.txt")]
-    assert translate.main(argv) == 0
-    expected = bf16.translate(lines[:4], method="greedy")
-    assert (tmp_path / "out.txt").read_text().splitlines() == expected
+    assert_mostly_agrees(float_translator, bf16)
+    assert_mostly_agrees(float_translator, both)
+    assert_cli_matches(workdir, tmp_path, ["--dtype", "bfloat16"], bf16)
     with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
         Translator.from_workdir(str(workdir), dtype="float16")
