@@ -133,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         record = {
             "workdir": args.workdir,
             "checkpoint": translator.name,
-            "average": args.average,
+            "average": len(translator.checkpoint_steps) or args.average,
+            "checkpoint_steps": list(translator.checkpoint_steps),
             "method": generation.method,
             "quantize": args.quantize,
             "dtype": translator.config.dtype,

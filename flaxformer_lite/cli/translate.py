@@ -110,7 +110,7 @@ def check_decoding_flags(parser: argparse.ArgumentParser, args: argparse.Namespa
     """``parser.error`` (exit 2, one line naming the flag) on a decoding flag out of range."""
     checks = [
         ("--step", args.step, args.step is None or args.step >= 0, "an int >= 0"),
-        ("--average", args.average, args.average >= 1, "an int >= 1"),
+        ("--average", args.average, args.average is None or args.average >= 1, "an int >= 1"),
         (
             "--beam_size",
             args.beam_size,
@@ -170,8 +170,9 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--average",
         type=int,
-        default=1,
-        help="average the parameters of this many last checkpoints up to --step (default 1)",
+        default=None,
+        help="average the parameters of this many last checkpoints up to --step (default: "
+        "the run's config.average_checkpoints, else 1)",
     )
     parser.add_argument(
         "--method",

@@ -195,6 +195,9 @@ class Translator:
       TypeError: an override that is not a GenerationConfig field.
     """
 
+    # The workdir checkpoint steps whose (mean) parameters it holds (from_workdir); () else.
+    checkpoint_steps: tuple[int, ...] = ()
+
     def __init__(
         self,
         params: Any,
@@ -272,7 +275,7 @@ class Translator:
         workdir: str,
         *,
         step: int | None = None,
-        average: int = 1,
+        average: int | None = None,
         mesh: jax.sharding.Mesh | None = None,
         quantize: str | None = None,
         dtype: str | None = None,
@@ -283,7 +286,8 @@ class Translator:
           workdir: the run's folder (local or a ``gs://`` URI).
           step: checkpoint step to load; None = the latest.
           average: use the mean parameters of the ``average`` last checkpoints up to ``step``
-            (checkpoint averaging; 1 = that checkpoint alone).
+            (checkpoint averaging; 1 = that checkpoint alone); None = the run's
+            ``average_checkpoints`` (its recipe's choice), else 1.
           mesh: the devices that decode (see the class); None = every device.
           quantize: None or "int8" (see the class).
           dtype: None (the run's) or "bfloat16" / "float32" (see the class).
@@ -335,12 +339,14 @@ class Translator:
         checkpoint_dir = str(root / "checkpoints")
         from flaxformer_lite.core.checkpoints import choose_steps  # orbax: only when needed
 
+        if average is None:
+            average = run.get("average_checkpoints") or 1
         chosen = choose_steps(checkpoint_dir, step=step, average=average)
         step = chosen[-1]
         expected = cls.abstract_params(config)
         params = average_params(checkpoint_dir, chosen, expected)
         label = f"step {step}" if average == 1 else f"mean of steps {chosen}"
-        return cls(
+        translator = cls(
             params,
             config,
             source_vocab,
@@ -351,6 +357,8 @@ class Translator:
             quantize=quantize,
             dtype=dtype,
         )
+        translator.checkpoint_steps = tuple(chosen)
+        return translator
 
     @classmethod
     def from_pretrained(

@@ -51,8 +51,10 @@ COMMON_KEYS = (
 ).split()
 
 # Keys any run may add: start from pretrained weights (train.py workdir, Hugging Face Marian
-# folder or hub id; flaxformer_lite/interop/init_from.py) and parameter-name patterns to freeze.
-OPTIONAL_KEYS = ("init_from", "freeze", "time_budget_minutes")
+# folder or hub id; flaxformer_lite/interop/init_from.py), parameter-name patterns to freeze,
+# a wall-clock budget (training/time_budget.py) and how many last checkpoints the inference
+# CLIs and Translator.from_workdir average by default.
+OPTIONAL_KEYS = ("init_from", "freeze", "time_budget_minutes", "average_checkpoints")
 
 # The further keys each task reads (flaxformer_lite/data/tasks/, build_translation_data) or
 # that the inference CLIs read from the run's config.json (beam_size, alpha).
@@ -137,6 +139,7 @@ SAFE_CHANGES = (
     "grad_accum_steps",
     "beam_size",
     "alpha",
+    "average_checkpoints",
 )
 
 # Fields whose change alters the shapes of the checkpoint's parameters or optimizer state, so
@@ -355,6 +358,13 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
     _bool(config, "decode_eval")
     _int_at_least(config, "num_train_steps", 1)
     _check_time_budget(config)
+    if config.get("average_checkpoints") is not None:
+        average = _int_at_least(config, "average_checkpoints", 1, " (1 = the last alone)")
+        if average > config.keep_checkpoints:
+            raise ConfigError(
+                f"config.average_checkpoints ({average}) must be <= config.keep_checkpoints "
+                f"({config.keep_checkpoints}): only the kept checkpoints can be averaged"
+            )
     _int_at_least(config, "log_every", 1)
     _int_at_least(config, "eval_every", 0, " (0 = evaluate only at the end)")
     _int_at_least(config, "checkpoint_every", 1)

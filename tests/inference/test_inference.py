@@ -100,6 +100,33 @@ def test_checkpoint_averaging_is_the_elementwise_mean(workdir, translator):
         Translator.from_workdir(str(workdir), average=0)
 
 
+def test_the_runs_average_checkpoints_is_the_default(workdir, translator, tmp_path):
+    # A copy of the run whose config.json asks for the mean of its last 2 checkpoints (the
+    # recipe's choice, made on val): from_workdir and the evaluate CLI use it by default.
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    run = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**run, "average_checkpoints": 2}))
+    default = Translator.from_workdir(str(copy))
+    assert default.checkpoint_steps == (20, 40) and "mean of steps [20, 40]" in default.name
+    explicit = Translator.from_workdir(str(workdir), average=2)
+    for a, b in zip(
+        *(jax.tree_util.tree_leaves(t.params) for t in (default, explicit)), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    # An explicit average still wins; the original run (no such field) loads its last step.
+    assert Translator.from_workdir(str(copy), average=1).checkpoint_steps == (40,)
+    assert translator.checkpoint_steps == (40,)
+    (tmp_path / "src.txt").write_text("3141\n27\n")
+    (tmp_path / "ref.txt").write_text("1413\n72\n")
+    report = tmp_path / "report.json"
+    args = ["--workdir", str(copy), "--source", str(tmp_path / "src.txt")]
+    args += ["--reference", str(tmp_path / "ref.txt"), "--report", str(report)]
+    assert run_cli("cli.evaluate", *args) == 0
+    record = json.loads(report.read_text())
+    assert (record["average"], record["checkpoint_steps"]) == (2, [20, 40])
+
+
 def test_translate_keeps_order_and_empty_lines(translator):
     outputs = translator.translate(LINES)
     assert len(outputs) == len(LINES)

@@ -116,6 +116,12 @@ def _set(config, key: str, value):
         ("checkpoint_every", 0, r"config\.checkpoint_every must be a positive integer; got 0"),
         ("eval_every", -1, r"config\.eval_every must be an integer >= 0 \(0 = evaluate only"),
         ("keep_checkpoints", 0, r"config\.keep_checkpoints must be a positive integer"),
+        (
+            "average_checkpoints",
+            9,
+            r"^config\.average_checkpoints \(9\) must be <= config\.keep_checkpoints \(3\): only",
+        ),
+        ("average_checkpoints", 0, r"config\.average_checkpoints must be a positive integer"),
         ("num_train_steps", 0, r"config\.num_train_steps must be a positive integer; got 0"),
         ("batch_size", 0, r"config\.batch_size must be a positive integer; got 0"),
         ("batch_size", -8, r"config\.batch_size must be a positive integer; got -8"),
@@ -152,7 +158,7 @@ def _set(config, key: str, value):
             "tokens_per_batch",
             2048,
             r"^config\.tokens_per_batch is not a config key of task "
-            r"'synthetic'; known keys: allow_changes, b1, ",
+            r"'synthetic'; known keys: allow_changes, average_checkpoints, b1, ",
         ),
     ],
 )
