@@ -10,6 +10,12 @@ for the chosen cell and for the plain one (the last checkpoint, the run's config
 and alpha), the two rows an ablation table needs. test2016 never takes part in the choice.
 The chosen cell is the `python -m flaxformer_lite.cli.evaluate --average N --beam_size B
 --alpha A` command that reproduces it.
+
+``--precisions bfloat16 int8 int8+bfloat16`` then decodes the chosen cell again (val and
+test2016) with the same parameters in those precisions (``Translator(dtype=, quantize=)``):
+the BLEU cost of each against float32 on one checkpoint, and its decoding seconds beside
+float32's (measured in this process, one after the other; compilation excluded by a warm-up
+call on the first 64 sentences).
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ def read_lines(path: str) -> list[str]:
         return [line.rstrip("\n") for line in f]
 
 
-def score(translator: Translator, sources, references, *, beam_size: int, alpha: float):
-    """Cased and lowercased BLEU of beam search with these settings (the CLI's defaults)."""
+def score(translator: Translator, sources, references, *, beam_size: int, alpha: float, warm=False):
+    """Cased and lowercased BLEU of beam search with these settings (the CLI's defaults);
+    ``warm``: decode the first 64 sentences once first, so that the time excludes compiling."""
     generation = translator.generation.replace(method="beam", beam_size=beam_size, alpha=alpha)
+    if warm:
+        translator.translate(sources[:64], generation)
     start = time.perf_counter()
     hypotheses = translator.translate(sources, generation)
     seconds = time.perf_counter() - start
@@ -53,6 +62,13 @@ def main() -> None:
     parser.add_argument("--averages", type=int, nargs="+", default=[1])
     parser.add_argument("--beam_sizes", type=int, nargs="+", default=[4])
     parser.add_argument("--alphas", type=float, nargs="+", default=[1.0])
+    parser.add_argument(
+        "--precisions",
+        nargs="*",
+        default=[],
+        choices=["bfloat16", "int8", "int8+bfloat16"],
+        help="also decode the chosen cell in these precisions (BLEU cost against float32)",
+    )
     parser.add_argument("--out", required=True, help="JSON record of every cell")
     args = parser.parse_args()
 
@@ -88,6 +104,20 @@ def main() -> None:
         }  # fmt: skip
         print(label, json.dumps(record["test2016"][label]), flush=True)
     record["checkpoint_steps"] = {a: t.name for a, t in translators.items()}
+    average, beam_size, alpha = chosen
+    record["precisions"] = {}
+    for precision in ["float32", *args.precisions]:
+        translator = Translator.from_workdir(
+            args.workdir,
+            average=average,
+            dtype="bfloat16" if "bfloat16" in precision else None,
+            quantize="int8" if "int8" in precision else None,
+        )
+        record["precisions"][precision] = {
+            split: score(translator, *data, beam_size=beam_size, alpha=alpha, warm=True)
+            for split, data in (("val", val), ("test2016", test))
+        }
+        print(precision, json.dumps(record["precisions"][precision]), flush=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=2)
         f.write("\n")

@@ -34,6 +34,7 @@ LOOP = dict(
     checkpoint_every=2,
     schedule="constant",
     learning_rate=1e-3,
+    time_budget_minutes=None,  # configs/multi30k.py's hour: STEPS steps here
 )
 
 # ----------------------------------------------------------------------------- tiny corpora
