@@ -107,11 +107,15 @@ def main() -> None:
     average, beam_size, alpha = chosen
     record["precisions"] = {}
     for precision in ["float32", *args.precisions]:
-        translator = Translator.from_workdir(
-            args.workdir,
-            average=average,
-            dtype="bfloat16" if "bfloat16" in precision else None,
-            quantize="int8" if "int8" in precision else None,
+        translator = (
+            translators[average]
+            if precision == "float32"
+            else Translator.from_workdir(
+                args.workdir,
+                average=average,
+                dtype="bfloat16" if "bfloat16" in precision else None,
+                quantize="int8" if "int8" in precision else None,
+            )
         )
         record["precisions"][precision] = {
             split: score(translator, *data, beam_size=beam_size, alpha=alpha, warm=True)
