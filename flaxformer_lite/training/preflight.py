@@ -32,7 +32,7 @@ from typing import Any
 
 from flaxformer_lite.core import paths
 from flaxformer_lite.nn.config import TransformerConfig
-from flaxformer_lite.training import optim
+from flaxformer_lite.training import optim, time_budget
 
 
 class ConfigError(ValueError):
@@ -52,9 +52,16 @@ COMMON_KEYS = (
 
 # Keys any run may add: start from pretrained weights (train.py workdir, Hugging Face Marian
 # folder or hub id; flaxformer_lite/interop/init_from.py), parameter-name patterns to freeze,
-# a wall-clock budget (training/time_budget.py) and how many last checkpoints the inference
-# CLIs and Translator.from_workdir average by default.
-OPTIONAL_KEYS = ("init_from", "freeze", "time_budget_minutes", "average_checkpoints")
+# a wall-clock budget (training/time_budget.py), how many last checkpoints the inference
+# CLIs and Translator.from_workdir average by default, and how many XLA devices to split the
+# host's CPU into (core/sharding.py: use_cpu_devices).
+OPTIONAL_KEYS = (
+    "init_from",
+    "freeze",
+    "time_budget_minutes",
+    "average_checkpoints",
+    "cpu_devices",
+)
 
 # The further keys each task reads (flaxformer_lite/data/tasks/, build_translation_data) or
 # that the inference CLIs read from the run's config.json (beam_size, alpha).
@@ -140,6 +147,7 @@ SAFE_CHANGES = (
     "beam_size",
     "alpha",
     "average_checkpoints",
+    "cpu_devices",
 )
 
 # Fields whose change alters the shapes of the checkpoint's parameters or optimizer state, so
@@ -365,6 +373,7 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
                 f"config.average_checkpoints ({average}) must be <= config.keep_checkpoints "
                 f"({config.keep_checkpoints}): only the kept checkpoints can be averaged"
             )
+    check_cpu_devices(config)
     _int_at_least(config, "log_every", 1)
     _int_at_least(config, "eval_every", 0, " (0 = evaluate only at the end)")
     _int_at_least(config, "checkpoint_every", 1)
@@ -410,14 +419,22 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
     _check_model(config, vocab_size, max_len)
 
 
+def check_cpu_devices(config: Any) -> None:
+    """``cpu_devices``: None (JAX's default, one CPU device) or a positive integer. train.py
+    checks it before anything else, as it must be applied before JAX starts."""
+    if config.get("cpu_devices") is not None:
+        _int_at_least(config, "cpu_devices", 1, " (None = JAX's default, one CPU device)")
+
+
 def _check_time_budget(config: Any) -> None:
     """A time budget decides the step count at the first evaluation (training/time_budget.py):
     there must be one, and for the cosine schedule it must come while the rate still warms
     up (the decay depends on the step count)."""
-    minutes = config.get("time_budget_minutes")
-    if minutes is None:
+    if time_budget.budget_minutes(config) is None:
         return
-    _number_in(config, "time_budget_minutes", 0.0, None, "(0, inf) (None = off)", open_low=True)
+    _number_in(
+        config, "time_budget_minutes", 0.0, None, "(0, inf) (None or 0 = off)", open_low=True
+    )
     if not config.eval_every:
         raise ConfigError(
             "config.eval_every must be a positive integer with config.time_budget_minutes: "
@@ -595,7 +612,7 @@ def check_resume(config: Any, workdir: str) -> None:
     _check_restore_step(config, root)
     if step is None:
         return
-    if config.get("time_budget_minutes") is None and config.num_train_steps < step:
+    if time_budget.budget_minutes(config) is None and config.num_train_steps < step:
         raise ConfigError(
             f"config.num_train_steps ({config.num_train_steps}) is below the latest checkpoint "
             f"step {step} in {root / 'checkpoints'}; set it >= {step} to resume, or use a new "

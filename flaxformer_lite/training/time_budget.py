@@ -31,6 +31,14 @@ from flaxformer_lite.core import paths
 FILE = "time_budget.json"
 
 
+def budget_minutes(config) -> float | None:
+    """``config.time_budget_minutes``, or None when the run has no budget: the field unset
+    (None) or 0, which is how a command line turns it off (``--config.time_budget_minutes=0``:
+    ml_collections cannot set a float field to None from a flag)."""
+    minutes = config.get("time_budget_minutes")
+    return None if minutes is None or minutes == 0 else minutes
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """The step count a budgeted run chose, and the measurements it chose it from."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import jax
 import numpy as np
@@ -16,7 +17,7 @@ from flaxformer_lite.training import preflight, time_budget
 from flaxformer_lite.training.metrics import read_metrics
 
 from helpers.runs import saved_state
-from helpers.tiny_configs import load_config
+from helpers.tiny_configs import ROOT, load_config
 
 EVAL_EVERY = 6  # the decision comes after this step's evaluation (== warmup_steps)
 
@@ -149,7 +150,8 @@ def test_a_resumed_run_keeps_the_decided_step_count(budget_run, tmp_path, monkey
     [
         (
             dict(time_budget_minutes=-1.0),
-            r"config.time_budget_minutes must be a number in \(0, inf\) \(None = off\); got -1.0",
+            r"config.time_budget_minutes must be a number in \(0, inf\) \(None or 0 = off\); "
+            r"got -1.0",
         ),
         (
             dict(time_budget_minutes=5.0, eval_every=0),
@@ -172,3 +174,29 @@ def test_noam_and_constant_schedules_take_any_evaluation_cadence():
         preflight.check_config(
             tiny_config(time_budget_minutes=5.0, schedule=schedule, eval_every=50, warmup_steps=10)
         )
+
+
+def test_zero_on_the_command_line_turns_the_budget_off(tmp_path):
+    """configs/multi30k.py has a budget; the documented way to train a fixed step count
+    instead is --config.time_budget_minutes=0 (a flag cannot write None). Parsed by the
+    flag parser train.py uses, it trains exactly num_train_steps and decides nothing."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "config", flag_values=values)
+    argv = ["train.py", "--config", str(ROOT / "configs" / "multi30k.py"),
+            "--config.time_budget_minutes=0", "--config.num_train_steps=3800"]  # fmt: skip
+    saved_argv, sys.argv = sys.argv, argv  # config_flags finds the overrides in sys.argv
+    try:
+        preflight.parse_flags(argv, values)
+    finally:
+        sys.argv = saved_argv
+    assert values.config.time_budget_minutes == 0.0
+    assert time_budget.budget_minutes(values.config) is None
+    preflight.check_config(values.config)  # also: eval_every unconstrained without a budget
+
+    config = tiny_config(time_budget_minutes=0.0, num_train_steps=EVAL_EVERY + 3)
+    train.train_and_evaluate(config, str(tmp_path))
+    assert int(saved_state(tmp_path)[0]["step"]) == EVAL_EVERY + 3
+    assert not (tmp_path / time_budget.FILE).exists()
