@@ -388,7 +388,7 @@ def export_workdir(
     directory: str,
     *,
     step: int | None = None,
-    average: int = 1,
+    average: int | None = None,
     dequantize: bool = False,
 ) -> TransformerConfig:
     """Writes a train.py workdir (e.g. a Marian model fine-tuned with
@@ -396,7 +396,8 @@ def export_workdir(
     model (an EncoderDecoder, or a DecoderOnly for a ``DECODER_ONLY`` family such as Llama):
     its ``model_config.json``, the
     parameters of checkpoint ``step`` (default the latest; ``average`` > 1: the mean of that
-    many last checkpoints) and, when the workdir holds them, its tokenizer and the
+    many last checkpoints; None: the run's ``average_checkpoints``, as its Translator
+    decodes, else 1) and, when the workdir holds them, its tokenizer and the
     ``generation_config.json`` of the folder it was fine-tuned from (every field kept).
     ``dequantize``: an int8 model is written dequantized (see ``save_pretrained``).
 
@@ -415,6 +416,10 @@ def export_workdir(
     config = TransformerConfig.from_json(config_path.read_text())
     # A model no family can write fails here, before the checkpoint is read.
     family = family_for(config, dequantize=dequantize)
+    if average is None:
+        run_path = root / "config.json"
+        run = json.loads(run_path.read_text()) if run_path.is_file() else {}
+        average = run.get("average_checkpoints") or 1
     if config.quantization is not None and average != 1:
         raise ValueError(
             f"average={average} with quantization={config.quantization!r}: int8 values with "
@@ -450,7 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, help="train.py workdir (local or gs://)")
     parser.add_argument("--out", required=True, help="output folder (local or gs://)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
-    parser.add_argument("--average", type=int, default=1, help="average the last N checkpoints")
+    parser.add_argument(
+        "--average",
+        type=int,
+        default=None,
+        help="average the last N checkpoints (default: the run's config.average_checkpoints, "
+        "else 1)",
+    )
     parser.add_argument(
         "--dequantize",
         action="store_true",
@@ -458,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         "(Hugging Face models have no int8 weights; without this flag an int8 model is refused)",
     )
     args = parser.parse_args(argv)
-    if args.average < 1:
+    if args.average is not None and args.average < 1:
         parser.error(f"argument --average: must be >= 1; got {args.average}")
     out = paths.resolve(args.out)
     if out.exists() and not out.is_dir():

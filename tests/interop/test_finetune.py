@@ -279,6 +279,39 @@ def test_translator_and_export_of_the_fine_tuned_run(generated_run, tmp_path):
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5)
 
 
+def test_the_export_averages_the_checkpoints_the_runs_translator_averages(generated_run, tmp_path):
+    """A run whose config names average_checkpoints = 2 is exported as its Translator decodes
+    it: the mean of its last two checkpoints (after test_resuming_ignores_init_from: steps 40
+    and 45), recomputed here in float64 from each checkpoint alone; --average 1 the last."""
+    import shutil
+
+    _, _, workdir = generated_run
+    run = tmp_path / "run"
+    shutil.copytree(workdir, run)
+    saved = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**saved, "average_checkpoints": 2}))
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-2:] == [40, 45], steps
+    alone = [Translator.from_workdir(str(run), step=s, average=1).params for s in (40, 45)]
+    mean = jax.tree_util.tree_map(
+        lambda a, b: (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2, *alone
+    )
+    assert Translator.from_workdir(str(run)).checkpoint_steps == (40, 45)
+    assert hf.main(["--workdir", str(run), "--out", str(tmp_path / "mean")]) == 0
+    _, params, _ = hf.load_pretrained(str(tmp_path / "mean"))
+    jax.tree_util.tree_map(
+        lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float64), y, atol=1e-7),
+        params, mean,
+    )  # fmt: skip
+    # Asked for one: the last checkpoint, bitwise (and it differs from the mean).
+    assert hf.main(["--workdir", str(run), "--out", str(tmp_path / "last"), "--average", "1"]) == 0
+    _, last, _ = hf.load_pretrained(str(tmp_path / "last"))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, last, alone[1])
+    assert not np.array_equal(
+        np.asarray(last["decoder"]["logits_bias"]), np.asarray(params["decoder"]["logits_bias"])
+    )
+
+
 def test_finetuning_on_the_multi30k_sample_lowers_its_loss(shared_data, tmp_path):
     """../shared/data/multi30k (skipped with a reason when absent, see conftest.shared_data)."""
     m30k = shared_data / "multi30k"
