@@ -12,13 +12,12 @@ beam size, length penalty, search options: a fine-tuned run's Hugging Face rules
 and banned pad, a folder's generation config; and length limits: a workdir's per-row
 ``1.5 * source + 10``, ``max_len="source"``, a folder's ``max_length``). The output folder
 holds the serialized program (``translate.jax``), the parameters (``params.npz``, names =
-``/``-joined paths), the vocabulary files, ``manifest.json`` (the config as ``generation``,
-``GenerationConfig.to_dict()``), ``README.md`` and ``runtime.py`` (a copy of
-``serving_runtime``), which loads it all without flaxformer_lite, flax or optax: the packages
-it needs are
-``serving_runtime.REQUIREMENTS`` (jax and what jax imports, sentencepiece, and flatbuffers,
-which jax.export's deserializer needs but jax does not install), pinned in the manifest's
-``requirements``.
+``/``-joined paths; bfloat16 leaves as bits, ``npz.py``), the vocabulary files,
+``manifest.json`` (the config as ``generation``, ``GenerationConfig.to_dict()``),
+``README.md`` and ``runtime.py`` (a copy of ``serving_runtime``), which loads it all without
+flaxformer_lite, flax or optax: the packages it needs are ``serving_runtime.REQUIREMENTS``
+(jax and what jax imports, sentencepiece, and flatbuffers, which jax.export's deserializer
+needs but jax does not install), pinned in the manifest's ``requirements``.
 
 The program is ``generate_jit`` itself (encoder once, then the cached greedy or beam search of
 ``decoding``) traced once with a symbolic batch size and source length
@@ -48,6 +47,7 @@ from flaxformer_lite.core import paths, sharding
 from flaxformer_lite.decoding.generate import generate_jit
 from flaxformer_lite.decoding.generation_config import SOURCE, GenerationConfig, resolve
 from flaxformer_lite.inference import serving_runtime
+from flaxformer_lite.inference.npz import save_params
 from flaxformer_lite.inference.translator import Translator
 from flaxformer_lite.nn.config import TransformerConfig
 
@@ -66,19 +66,6 @@ MARIAN = {"source": "source.spm", "target": "target.spm", "vocab": "vocab.json"}
 # A Hugging Face encoder-decoder's own tokenizer (BART, mBART ...): its ``tokenizers`` pipeline,
 # written by the export (``hf_json_tokenizer.JsonTokenizer.backend_json``).
 HF_TOKENIZER = {"source": "tokenizer.json", "target": "tokenizer.json"}
-
-
-def flatten_params(params: Any) -> dict[str, np.ndarray]:
-    """``{"a": {"b": x}}`` -> ``{"a/b": x}`` as NumPy arrays (``serving_runtime.unflatten``
-    inverts it)."""
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    flat = {}
-    for path, leaf in leaves:
-        keys = [str(getattr(k, "key", k)) for k in path]
-        if any("/" in key for key in keys):
-            raise ValueError(f"parameter path {keys} has a '/' in a key: it would not unflatten")
-        flat["/".join(keys)] = np.asarray(leaf)
-    return flat
 
 
 def vocabulary_files(directory: str) -> tuple[str, dict[str, str]]:
@@ -307,7 +294,7 @@ def export_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / serving_runtime.EXPORTED).write_bytes(exported.serialize())
-    np.savez(out / serving_runtime.PARAMS, **flatten_params(params))
+    param_bits = save_params(out / serving_runtime.PARAMS, params)
     vocab_root = paths.resolve(vocabulary_dir)
     if hf_tokenizer is not None:
         (out / HF_TOKENIZER["source"]).write_text(hf_tokenizer["json"], encoding="utf-8")
@@ -331,6 +318,7 @@ def export_model(
         "per_row_limit": per_row_limit,
         "max_source_len": config.max_len,
         "batch_size": batch_size,
+        "param_bits": param_bits,
         "ids": {
             "pad": config.pad_id,
             "eos": config.eos_id,

@@ -31,6 +31,7 @@ from flaxformer_lite.core import paths, sharding
 from flaxformer_lite.decoding.generate import continue_prompt_jit
 from flaxformer_lite.decoding.generation_config import GenerationConfig
 from flaxformer_lite.inference import lm_runtime
+from flaxformer_lite.inference.npz import save_params
 from flaxformer_lite.nn.config import TransformerConfig
 
 EXPORT_METHODS = ("beam", "greedy")
@@ -114,11 +115,7 @@ def export_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / lm_runtime.EXPORTED).write_bytes(exported.serialize())
-    flat = {
-        "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-    np.savez(out / lm_runtime.PARAMS, **flat)
+    param_bits = save_params(out / lm_runtime.PARAMS, params)
     tokenizer = None if tokenizer_dir is None else paths.resolve(tokenizer_dir) / "tokenizer.json"
     if tokenizer is not None and tokenizer.is_file():
         (out / lm_runtime.TOKENIZER).write_bytes(tokenizer.read_bytes())
@@ -132,6 +129,7 @@ def export_model(
         "method": traced.method,
         "max_len": traced.max_len,
         "max_prompt_len": longest,
+        "param_bits": param_bits,
         "prepend_bos": traced.prepend_bos,
         "batch_size": batch_size,
         "ids": {"pad": config.pad_id, "eos": config.eos_id, "bos": config.bos_id},

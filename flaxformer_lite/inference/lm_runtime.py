@@ -40,6 +40,16 @@ TOKENIZER = "tokenizer.json"
 KIND = "lm"
 
 
+def stored_arrays(flat: Any, bits: dict[str, str]) -> dict[str, np.ndarray]:
+    """The arrays of an opened ``params.npz``, those the export stored as bits (the manifest's
+    ``param_bits``, ``{name: dtype}``: bfloat16, which .npz cannot hold) viewed back as
+    their dtype."""
+    return {
+        name: flat[name].view(jax.numpy.dtype(bits[name])) if name in bits else flat[name]
+        for name in flat.files
+    }
+
+
 def unflatten(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     """``{"a/b/c": x}`` -> ``{"a": {"b": {"c": x}}}`` (the inverse of the export's naming)."""
     tree: dict[str, Any] = {}
@@ -67,7 +77,8 @@ class ServingLM:
         with open(os.path.join(root, EXPORTED), "rb") as f:
             self.exported = jax.export.deserialize(bytearray(f.read()))
         with np.load(os.path.join(root, PARAMS)) as flat:
-            self.params = jax.device_put(unflatten({k: flat[k] for k in flat.files}))
+            bits = self.manifest.get("param_bits", {})
+            self.params = jax.device_put(unflatten(stored_arrays(flat, bits)))
         ids = self.manifest["ids"]
         self.pad_id, self.eos_id = int(ids["pad"]), int(ids["eos"])
         self.max_len = int(self.manifest["max_len"])

@@ -227,6 +227,16 @@ def load_vocabularies(root: str, manifest: dict[str, Any]) -> tuple[Any, Any]:
     )
 
 
+def stored_arrays(flat: Any, bits: dict[str, str]) -> dict[str, np.ndarray]:
+    """The arrays of an opened ``params.npz``, those the export stored as bits (the manifest's
+    ``param_bits``, ``{name: dtype}``: bfloat16, which .npz cannot hold) viewed back as
+    their dtype."""
+    return {
+        name: flat[name].view(jax.numpy.dtype(bits[name])) if name in bits else flat[name]
+        for name in flat.files
+    }
+
+
 def unflatten(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     """``{"a/b/c": x}`` -> ``{"a": {"b": {"c": x}}}`` (the inverse of the export's naming)."""
     tree: dict[str, Any] = {}
@@ -258,7 +268,7 @@ class ServingModel:
         with open(os.path.join(root, EXPORTED), "rb") as f:
             self.exported = jax.export.deserialize(bytearray(f.read()))
         with np.load(os.path.join(root, PARAMS)) as flat:
-            host = unflatten({name: flat[name] for name in flat.files})
+            host = unflatten(stored_arrays(flat, self.manifest.get("param_bits", {})))
         self.params = jax.device_put(host)  # on the device once, not at every call
         self.source_vocab, self.target_vocab = load_vocabularies(root, self.manifest)
         ids = self.manifest["ids"]

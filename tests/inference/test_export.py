@@ -31,6 +31,7 @@ from flaxformer_lite.core.special_ids import EOS_ID, PAD_ID
 from flaxformer_lite.data.tokenizer import Tokenizer
 from flaxformer_lite.decoding.generate import generate
 from flaxformer_lite.inference import export
+from flaxformer_lite.inference.npz import flatten_params
 from flaxformer_lite.inference.translator import Translator
 from flaxformer_lite.models import EncoderDecoder
 from flaxformer_lite.nn.config import TransformerConfig
@@ -203,7 +204,7 @@ def test_artifact_files_and_manifest(model):
     # One program for every batch size and source length: the input shapes are symbolic.
     assert [str(a.shape) for a in exported.in_avals[-2:]] == ["(b, s)", "(b,)"]
     with np.load(root / "params.npz") as flat:
-        ours = export.flatten_params(translator.params)
+        ours = flatten_params(translator.params)
         assert sorted(flat.files) == sorted(ours)
         assert all(np.array_equal(flat[k], ours[k]) for k in ours)
 
@@ -494,6 +495,32 @@ def test_artifact_translates_as_the_translator(sources, kind, tmp_path):
     assert "flaxformer_lite" not in result["third_party"] and "flax" not in result["third_party"]
     readme = (artifact / "README.md").read_text()
     assert all(r in readme for r in manifest["requirements"])
+
+
+def test_a_bfloat16_translator_exports_what_it_translates(model, tmp_path):
+    """``Translator(dtype="bfloat16")`` exported: NumPy's .npz has no bfloat16 (it writes raw
+    2-byte voids that read back as bytes), so the weights go as their uint16 bits, named in
+    the manifest's ``param_bits``; the runtime, in a fresh process with only the manifest's
+    requirements, views them back and prints the translator's own strings."""
+    translator, work, _ = model
+    bf16 = Translator(
+        translator.params, translator.config, translator.source_vocab, translator.target_vocab,
+        generation=translator.generation, dtype="bfloat16",
+    )  # fmt: skip
+    artifact = tmp_path / "bf16"
+    export.export_translator(bf16, str(artifact), str(work), method="greedy", max_len=MAX_LEN)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    names = set(flatten_params(bf16.params))
+    assert manifest["param_bits"] == dict.fromkeys(names, "bfloat16")  # every leaf is float
+    with np.load(artifact / "params.npz") as flat:
+        assert {flat[k].dtype for k in flat.files} == {np.dtype(np.uint16)}
+    expected = bf16.translate(EXPORT_SENTENCES, method="greedy", max_len=MAX_LEN)
+    result = run_strict(artifact, EXPORT_SENTENCES, tmp_path)
+    assert "error" not in result, result["error"]
+    assert result["translations"] == expected and len(set(expected)) >= 5
+    # A float32 export stores plain arrays and names no bits.
+    plain = json.loads((work / "artifacts" / "greedy" / "manifest.json").read_text())
+    assert plain["param_bits"] == {}
 
 
 def test_runtime_without_flatbuffers_says_what_to_install(model, tmp_path):
