@@ -656,6 +656,7 @@ def train_and_evaluate(
     compiled; a workdir another live run holds raises ``run_lock.WorkdirInUse`` before any work
     (``break_lock`` takes its lock anyway).
     """
+    use_cpu_devices(config)  # first: preflight counts the devices, which starts JAX
     preflight.check_run(config, workdir)
     workdir = str(paths.resolve(workdir))  # a local path (made absolute) or a gs:// URI
     created = not paths.resolve(workdir).exists()
@@ -672,6 +673,23 @@ def train_and_evaluate(
     finally:
         if lock is not None:
             lock.release()
+
+
+def use_cpu_devices(config: Any) -> None:
+    """``config.cpu_devices``: split the host's CPU into that many XLA devices, which the mesh
+    then uses for data parallelism (``sharding.use_cpu_devices``). It must come before the
+    first JAX computation: a process whose JAX already runs with another count (a caller that
+    computed before ``train_and_evaluate``) keeps its devices, with a warning."""
+    preflight.check_cpu_devices(config)
+    count = config.get("cpu_devices")
+    if count is not None and not sharding.use_cpu_devices(count):
+        have = len(jax.devices("cpu"))
+        print(
+            f"warning: config.cpu_devices={count} not applied: JAX already runs with {have} "
+            "CPU device(s) in this process (set it before the first JAX computation)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[str, float]:
@@ -701,7 +719,7 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
 
     # The step count: config.num_train_steps, or the one a time budget decided (None: the
     # budget decides it at its first evaluation; until then only warmup steps run).
-    budget = config.get("time_budget_minutes")
+    budget = time_budget.budget_minutes(config)
     decision = shared_decision(time_budget.read(workdir) if is_main else None)
     num_steps = (
         config.num_train_steps
@@ -942,10 +960,14 @@ def warn(is_main: bool) -> Callable[[str], None]:
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    config = _CONFIG.value
+    try:
+        use_cpu_devices(config)  # before JAX starts: jax.distributed too
+    except preflight.ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     sharding.initialize_distributed(
         _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, auto=_MULTIHOST.value
     )
-    config = _CONFIG.value
     try:
         metrics = train_and_evaluate(config, _WORKDIR.value, break_lock=_BREAK_LOCK.value)
     except (preflight.ConfigError, data.DataError, CheckpointError, run_lock.WorkdirInUse) as e:

@@ -41,6 +41,10 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Devices: (data, fsdp, tensor); -1 fills the remaining devices.
     c.mesh_shape = (-1, 1, 1)
+    # A CPU host split into this many XLA devices before JAX starts (None: JAX's default, one):
+    # the mesh runs the batch data-parallel over them, each on its own thread
+    # (core/sharding.py: use_cpu_devices). GPUs and TPUs are unaffected.
+    c.cpu_devices = ml_collections.config_dict.placeholder(int)
 
     # Model: TransformerConfig fields (vocabulary sizes come from the data).
     c.model = ml_collections.ConfigDict(

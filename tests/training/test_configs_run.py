@@ -35,6 +35,7 @@ LOOP = dict(
     schedule="constant",
     learning_rate=1e-3,
     time_budget_minutes=None,  # configs/multi30k.py's hour: STEPS steps here
+    cpu_devices=None,  # configs/multi30k.py's 2: this process's JAX already runs
 )
 
 # ----------------------------------------------------------------------------- tiny corpora

@@ -122,6 +122,12 @@ def _set(config, key: str, value):
             r"^config\.average_checkpoints \(9\) must be <= config\.keep_checkpoints \(3\): only",
         ),
         ("average_checkpoints", 0, r"config\.average_checkpoints must be a positive integer"),
+        (
+            "cpu_devices",
+            0,
+            r"^config\.cpu_devices must be a positive integer \(None = JAX's default, one CPU "
+            r"device\); got 0$",
+        ),
         ("num_train_steps", 0, r"config\.num_train_steps must be a positive integer; got 0"),
         ("batch_size", 0, r"config\.batch_size must be a positive integer; got 0"),
         ("batch_size", -8, r"config\.batch_size must be a positive integer; got -8"),

@@ -63,6 +63,31 @@ def test_eight_simulated_devices_match_one_device(reference, tmp_path, mesh):
     assert_same_params(a, b)
 
 
+def test_cpu_devices_splits_the_host_into_a_data_parallel_mesh(reference, tmp_path, capsys):
+    """--config.cpu_devices=2 and no XLA flag: train.py splits the CPU into 2 devices before
+    JAX starts, the batch is data-parallel over them, and the run ends where the one-device
+    run does. In this process, where JAX already runs, the setting is refused with a warning
+    and changes nothing."""
+    out = run_train(tmp_path, "--config.cpu_devices=2")
+    assert "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in out.stdout
+    a, _ = saved_state(reference)
+    b, _ = saved_state(tmp_path)
+    assert final_loss(tmp_path) == pytest.approx(final_loss(reference), abs=1e-5)
+    assert_same_params(a, b)
+
+    import ml_collections
+
+    import train
+
+    have = len(jax.devices("cpu"))
+    train.use_cpu_devices(ml_collections.ConfigDict({"cpu_devices": have}))  # already so
+    assert capsys.readouterr().err == ""
+    train.use_cpu_devices(ml_collections.ConfigDict({"cpu_devices": have + 1}))
+    err = capsys.readouterr().err
+    assert f"config.cpu_devices={have + 1} not applied: JAX already runs with {have}" in err
+    assert len(jax.devices("cpu")) == have
+
+
 # The 2-process runs: 24 steps with a checkpoint every 6, all kept.
 TWO_PROCESS_STEPS = 24
 TWO_PROCESS = [
