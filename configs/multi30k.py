@@ -37,6 +37,12 @@ def get_config():
     c.packing = True
     c.tokens_per_batch = 2048
     c.batch_size_multiple = 8
+    # Subword regularization (Kudo, 2018), None = off: alpha in (0, 1] draws subword_samples
+    # segmentations of every training sentence once into the token cache (unigram: from
+    # p(x) ** alpha over all segmentations; bpe: merge dropout alpha), epoch e reading
+    # segmentation e mod subword_samples; eval and translation use the most likely one.
+    c.subword_alpha = placeholder(float)
+    c.subword_samples = 8
 
     # A "tiny" Transformer (4+4 layers, d_model 128, d_ff 256) tied and shared embeddings: the
     # size published text-only baselines use on Multi30k, and three times the tokens per

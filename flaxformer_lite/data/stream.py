@@ -14,7 +14,10 @@ class BatchStream:
     ``make_batches(epoch)`` returns that epoch's global batch list (built the same way on
     every host: same data, same seed): either batches, or :class:`BatchPlan` s read from
     ``examples``, in which case each host reads the tokens of its own rows only. Process
-    ``p`` of ``P`` receives rows ``[p*R/P, (p+1)*R/P)`` of each ``R``-row global batch. The
+    ``p`` of ``P`` receives rows ``[p*R/P, (p+1)*R/P)`` of each ``R``-row global batch.
+    ``examples`` may also be a function of the epoch (e.g. another sampled segmentation of the
+    corpus each epoch, see ``tasks/translation.py``); the plans of an epoch index into its
+    examples. The
     position is ``(epoch, index)``: :meth:`state` after ``n`` calls to :meth:`next` and a
     :meth:`restore` of it yields the same following batches as an uninterrupted stream.
     """
@@ -25,7 +28,10 @@ class BatchStream:
         *,
         process_index: int = 0,
         process_count: int = 1,
-        examples: Sequence[Example] | EncodedPairs | None = None,
+        examples: Sequence[Example]
+        | EncodedPairs
+        | Callable[[int], Sequence[Example] | EncodedPairs]
+        | None = None,
     ) -> None:
         if not 0 <= process_index < process_count:
             raise ValueError(
@@ -54,8 +60,12 @@ class BatchStream:
         inspection; :meth:`next` reads only this process's rows)."""
         return [self._global(b) for b in self.epoch_plans()]
 
+    def _epoch_examples(self) -> Sequence[Example] | EncodedPairs | None:
+        examples = self._examples
+        return examples(self._epoch) if callable(examples) else examples
+
     def _global(self, item: Batch | BatchPlan) -> Batch:
-        return item.take(self._examples) if isinstance(item, BatchPlan) else item
+        return item.take(self._epoch_examples()) if isinstance(item, BatchPlan) else item
 
     def state(self) -> dict[str, int]:
         """Position of the next batch: ``dict(epoch=..., index=...)``."""
@@ -82,7 +92,7 @@ class BatchStream:
     def shard(self, batch: Batch | BatchPlan) -> Batch:
         """This process's contiguous slice of rows of a global batch (or plan)."""
         if isinstance(batch, BatchPlan):
-            return batch.take(self._examples, *self._rows(batch.rows))
+            return batch.take(self._epoch_examples(), *self._rows(batch.rows))
         out = {}
         for key, value in batch.items():
             start, stop = self._rows(value.shape[0])

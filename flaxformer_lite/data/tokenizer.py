@@ -20,7 +20,16 @@ from etils import epath
 from flaxformer_lite.core import paths
 from flaxformer_lite.core.special_ids import BOS_ID, EOS_ID, PAD_ID, SPECIAL_PIECES, UNK_ID
 
-__all__ = ["BOS_ID", "EOS_ID", "MODEL_TYPES", "PAD_ID", "UNK_ID", "Tokenizer", "load_or_train"]
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "MODEL_TYPES",
+    "PAD_ID",
+    "UNK_ID",
+    "SubwordSampler",
+    "Tokenizer",
+    "load_or_train",
+]
 
 MODEL_TYPES = ("unigram", "bpe", "char")
 
@@ -221,6 +230,44 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self._path!r}, vocab_size={self.vocab_size})"
+
+
+class SubwordSampler:
+    """Subword regularization (Kudo, 2018): a :class:`Tokenizer` whose :meth:`encode_batch`
+    draws one segmentation of each text instead of the most likely one.
+
+    A unigram model samples from all segmentations with probabilities ``p(x) ** alpha``
+    (smaller ``alpha``: flatter, more and shorter pieces; 1.0: the model's own
+    distribution); a BPE model drops each merge with probability ``alpha`` (BPE-dropout).
+    Decoding is unchanged: every segmentation decodes to the same text.
+
+    SentencePiece samples with one process-global generator: creating a sampler reseeds it
+    with ``seed`` and encoding runs on one thread, so the segmentations drawn are a pure
+    function of ``(seed, alpha, the texts in the order encoded)`` -- the same on every host
+    and after a restart. (On several threads the draws depend on their scheduling.)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, alpha: float, seed: int) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1]; got {alpha!r}")
+        self.tokenizer = tokenizer
+        self.alpha = alpha
+        spm.set_random_generator_seed(seed)
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """One sampled segmentation (ids, no BOS/EOS) of each text, in order."""
+        return self.tokenizer._sp.encode(
+            list(texts),
+            out_type=int,
+            enable_sampling=True,
+            alpha=self.alpha,
+            nbest_size=-1,  # unigram: sample from every segmentation (Kudo's l = infinity)
+            num_threads=1,
+        )
 
 
 def load_or_train(

@@ -73,7 +73,7 @@ TASK_KEYS: dict[str, tuple[str, ...]] = {
             " source_column target_column train_split eval_split test_split local_splits"
             " vocab_size shared_vocab spm_model_type max_len too_long packing tokens_per_batch"
             " batch_size_multiple beam_size alpha tokenizer tokenizer_src_lang tokenizer_tgt_lang"
-            " beam_style early_stopping forced_eos ban_pad"
+            " beam_style early_stopping forced_eos ban_pad subword_alpha subword_samples"
         ).split()
     ),
     "lm": tuple(
@@ -405,6 +405,8 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
     else:
         rows = _int_at_least(config, "batch_size", 1)
         subject = f"config.batch_size ({rows})"
+    if task == "translation":
+        _check_subword_sampling(config)
     if task == "lm":
         _number_in(config, "eval_fraction", 0.0, 1.0, "(0, 1)", open_low=True)
         _int_at_least(config, "eval_batches", 0, " (0 = all)")
@@ -417,6 +419,30 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
             f"(data x fsdp of config.mesh_shape {mesh})"
         )
     _check_model(config, vocab_size, max_len)
+
+
+def _check_subword_sampling(config: Any) -> None:
+    """``subword_alpha``: None or 0 (off), else in (0, 1] with a vocabulary the run trains
+    itself (unigram or bpe); ``subword_samples``: None (8) or a positive integer."""
+    if config.get("subword_samples") is not None:
+        _int_at_least(config, "subword_samples", 1, " (segmentations drawn per sentence)")
+    if not config.get("subword_alpha"):
+        return
+    alpha = config.subword_alpha
+    if not _is_number(alpha) or not 0.0 < alpha <= 1.0:
+        raise ConfigError(
+            f"config.subword_alpha must be a number in (0, 1] (None = off); got {alpha!r}"
+        )
+    if config.get("tokenizer"):
+        raise ConfigError(
+            f"config.subword_alpha samples segmentations of a vocabulary the run trains; "
+            f"config.tokenizer={config.tokenizer!r} is pretrained: set config.subword_alpha=None"
+        )
+    if config.spm_model_type not in ("unigram", "bpe"):
+        raise ConfigError(
+            f"config.subword_alpha needs config.spm_model_type 'unigram' or 'bpe' (a 'char' "
+            f"model has one segmentation); got {config.spm_model_type!r}"
+        )
 
 
 def check_cpu_devices(config: Any) -> None:

@@ -229,6 +229,35 @@ def test_translation_accumulation_must_divide_the_rows():
         preflight.check_config(config, device_count=1)
 
 
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"subword_alpha": 1.5}, r"^config\.subword_alpha must be a number in \(0, 1\] \(None = off\); got 1\.5$"),
+        ({"subword_alpha": -0.2}, r"^config\.subword_alpha must be a number in \(0, 1\]"),
+        ({"subword_alpha": 0.5, "subword_samples": 0}, r"^config\.subword_samples must be a positive integer \(segmentations drawn"),
+        ({"subword_alpha": 0.5, "spm_model_type": "char"}, r"^config\.subword_alpha needs config\.spm_model_type 'unigram' or 'bpe'"),
+    ],
+)  # fmt: skip
+def test_subword_sampling_settings_are_checked(changes, match):
+    config = load_config("multi30k")
+    config.update(changes)
+    with pytest.raises(ConfigError, match=match):
+        preflight.check_config(config, device_count=1)
+
+
+def test_subword_sampling_is_refused_with_a_pretrained_vocabulary():
+    config = load_config("finetune_marian")
+    config.init_from = "Helsinki-NLP/opus-mt-en-de"
+    with config.unlocked():
+        config.subword_alpha = 0.5
+    with pytest.raises(
+        ConfigError, match=r"config\.tokenizer=.* is pretrained: set config\.subword_alpha=None"
+    ):
+        preflight.check_config(config, device_count=1)
+    config.subword_alpha = None
+    preflight.check_config(config, device_count=1)
+
+
 def test_batch_rows_must_split_over_the_data_devices():
     """Without devices to spare: the device count is an argument of the check."""
     config = two_step_config(batch_size=6)

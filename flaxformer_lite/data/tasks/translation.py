@@ -39,7 +39,7 @@ from flaxformer_lite.data.packing import plan_packing
 from flaxformer_lite.data.reading import DataError, DataStats, describe_pairs_source, iter_pairs
 from flaxformer_lite.data.stream import BatchStream
 from flaxformer_lite.data.tasks.base import Task, local_split, vocabulary_ids
-from flaxformer_lite.data.tokenizer import Tokenizer
+from flaxformer_lite.data.tokenizer import SubwordSampler, Tokenizer
 from flaxformer_lite.data.workdir import (
     CACHE_DIR,
     load_token_cache,
@@ -78,6 +78,19 @@ class TranslationData:
 
 
 _CACHE_FORMAT = 1
+# Segmentations drawn per training sentence with config.subword_alpha and no
+# config.subword_samples: epoch e reads segmentation e mod 8.
+DEFAULT_SUBWORD_SAMPLES = 8
+
+
+def subword_sampling(config: Any) -> tuple[float, int] | None:
+    """``(alpha, samples)`` of subword regularization, or None when ``config.subword_alpha``
+    is absent, None or 0 (off)."""
+    alpha = getattr(config, "subword_alpha", None)
+    if not alpha:
+        return None
+    samples = getattr(config, "subword_samples", None) or DEFAULT_SUBWORD_SAMPLES
+    return float(alpha), int(samples)
 
 
 def _file_digest(path: str) -> str:
@@ -198,8 +211,10 @@ class _Vocabulary(NamedTuple):
 
 
 class _Encoded(NamedTuple):
-    train_examples: EncodedPairs  # memory-mapped from the token cache
-    stats: DataStats  # of the training split, as counted when the cache was built
+    # The training split, memory-mapped from the token cache: one segmentation, or with
+    # subword sampling several (epoch e reads train_variants[e % len]).
+    train_variants: list[EncodedPairs]
+    stats: DataStats  # of the training split (its first segmentation), as counted when cached
     eval_examples: EncodedPairs
     cache_dir: str
 
@@ -288,12 +303,12 @@ def _build_vocabulary(config: Any, workdir: str, train: _TrainingSplit) -> _Voca
 
 
 def _token_cache_dir(
-    config: Any, workdir: str, train: _TrainingSplit, vocab: _Vocabulary
+    config: Any, workdir: str, train: _TrainingSplit, vocab: _Vocabulary, sample: int | None
 ) -> tuple[str, dict[str, Any]]:
     """The training split's token cache folder and the key it is valid for: a hash of the data
-    source, ``max_len``, ``too_long`` and the vocabulary files' bytes (any change: a new
-    cache)."""
-    key = {
+    source, ``max_len``, ``too_long``, the vocabulary files' bytes and, for segmentation
+    ``sample`` of subword sampling, alpha, seed and ``sample`` (any change: a new cache)."""
+    key: dict[str, Any] = {
         "format": _CACHE_FORMAT,
         "source": train.source,
         "split": config.train_split,
@@ -301,15 +316,45 @@ def _token_cache_dir(
         "too_long": config.too_long,
         "vocabulary": [_file_digest(path) for path in vocab.paths],
     }
+    if sample is not None:
+        alpha, _ = subword_sampling(config)
+        key["subword"] = {"alpha": alpha, "seed": config.seed, "sample": sample}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(workdir, CACHE_DIR, f"{config.train_split}-{digest}"), key
 
 
+def _samplers(
+    config: Any, vocab: _Vocabulary, sample: int
+) -> tuple[SubwordSampler, SubwordSampler]:
+    """The (source, target) tokenizers drawing segmentation ``sample`` (one sampler for a
+    shared vocabulary), seeded by ``(config.seed, sample)``."""
+    if not isinstance(vocab.src_tokenizer, Tokenizer) or not isinstance(
+        vocab.tgt_tokenizer, Tokenizer
+    ):
+        raise ValueError(
+            "config.subword_alpha samples segmentations of the project's SentencePiece "
+            f"vocabulary; this run uses a pretrained one ({type(vocab.src_tokenizer).__name__}): "
+            "set config.subword_alpha=None"
+        )
+    alpha, _ = subword_sampling(config)
+    seed = int(np.random.SeedSequence([config.seed, sample]).generate_state(1)[0])
+    src = SubwordSampler(vocab.src_tokenizer, alpha, seed)
+    if vocab.tgt_tokenizer is vocab.src_tokenizer:
+        return src, src
+    return src, SubwordSampler(vocab.tgt_tokenizer, alpha, seed + 1)
+
+
 def _encode_training_split(
-    config: Any, workdir: str, train: _TrainingSplit, vocab: _Vocabulary
+    config: Any,
+    workdir: str,
+    train: _TrainingSplit,
+    vocab: _Vocabulary,
+    sample: int | None = None,
 ) -> tuple[EncodedPairs, DataStats, str]:
     """The training split's tokens: process 0 encodes the split into the token cache unless a
     complete one exists; every process then memory-maps it (:func:`main_process_first`).
+    ``sample``: the index of a sampled segmentation (subword regularization) instead of the
+    most likely one.
 
     Returns (examples, the split's counts, cache folder).
 
@@ -322,7 +367,7 @@ def _encode_training_split(
     import jax
 
     max_len = config.max_len
-    cache_dir, key = _token_cache_dir(config, workdir, train, vocab)
+    cache_dir, key = _token_cache_dir(config, workdir, train, vocab, sample)
 
     def token_cache(writer: bool) -> tuple[EncodedPairs, dict]:
         loaded = load_token_cache(cache_dir, key)
@@ -334,10 +379,14 @@ def _encode_training_split(
                 "process 0 built it (is the workdir shared by every host?)"
             )
         stats = DataStats()
+        if sample is None:
+            src_tokenizer, tgt_tokenizer = vocab.src_tokenizer, vocab.tgt_tokenizer
+        else:
+            src_tokenizer, tgt_tokenizer = _samplers(config, vocab, sample)
         encoded = encode_pairs_to_arrays(
             train.pairs(stats),
-            vocab.src_tokenizer,
-            vocab.tgt_tokenizer,
+            src_tokenizer,
+            tgt_tokenizer,
             max_len=max_len,
             too_long=config.too_long,
             stats=stats,
@@ -359,10 +408,14 @@ def _encode_training_split(
 
 
 def _encode_splits(config: Any, workdir: str, splits: _Splits, vocab: _Vocabulary) -> _Encoded:
-    """Step 3, encoding: the training split through the token cache, then the eval pairs by
-    every process, truncated and never dropped (the eval set stays complete); their counts add
-    to ``splits.eval_stats``."""
-    train_examples, stats, cache_dir = _encode_training_split(config, workdir, splits.train, vocab)
+    """Step 3, encoding: the training split through the token cache (with subword sampling,
+    ``config.subword_samples`` segmentations of it, each its own cache), then the eval pairs by
+    every process with the most likely segmentation, truncated and never dropped (the eval set
+    stays complete); their counts add to ``splits.eval_stats``."""
+    sampling = subword_sampling(config)
+    samples = [None] if sampling is None else list(range(sampling[1]))
+    encoded = [_encode_training_split(config, workdir, splits.train, vocab, k) for k in samples]
+    (_, stats, cache_dir) = encoded[0]
     eval_examples = encode_pairs(
         splits.eval_pairs,
         vocab.src_tokenizer,
@@ -371,7 +424,7 @@ def _encode_splits(config: Any, workdir: str, splits: _Splits, vocab: _Vocabular
         too_long="truncate",
         stats=splits.eval_stats,
     )
-    return _Encoded(train_examples, stats, eval_examples, cache_dir)
+    return _Encoded([examples for examples, _, _ in encoded], stats, eval_examples, cache_dir)
 
 
 def _batch(
@@ -387,12 +440,20 @@ def _batch(
         config.batch_size_multiple,
         config.seed,
     )
-    train_examples = encoded.train_examples
-    in_len, tgt_len = train_examples.input_lengths, train_examples.target_lengths
+    variants = encoded.train_variants
+
+    def examples(epoch: int) -> EncodedPairs:
+        return variants[epoch % len(variants)]
+
+    @functools.cache
+    def lengths(epoch: int) -> tuple[np.ndarray, np.ndarray]:  # [examples] each, per variant
+        return examples(epoch).input_lengths, examples(epoch).target_lengths
+
     if config.packing:
         rows = rows_for_length(max_len, tokens_per_batch, multiple)
 
         def make_plans(epoch: int) -> list[BatchPlan]:
+            in_len, tgt_len = lengths(epoch % len(variants))
             return plan_packing(
                 in_len,
                 tgt_len,
@@ -403,11 +464,10 @@ def _batch(
                 epoch=epoch,
             )
     else:
-        lengths = np.maximum(in_len, tgt_len)
 
         def make_plans(epoch: int) -> list[BatchPlan]:
             return plan_by_tokens(
-                lengths,
+                np.maximum(*lengths(epoch % len(variants))),
                 tokens_per_batch=tokens_per_batch,
                 boundaries=boundaries,
                 pad_id=pad_id,
@@ -420,9 +480,10 @@ def _batch(
         make_plans,
         process_index=process_index,
         process_count=process_count,
-        examples=train_examples,
+        examples=examples if len(variants) > 1 else variants[0],
     )
     plans = train.epoch_plans()
+    tgt_len = lengths(0)[1]
     positions = sum(plan.rows * plan.length for plan in plans)
     real = sum(plan.target_tokens(tgt_len) for plan in plans)
     eval_batches = batch_by_tokens(
@@ -541,5 +602,13 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
             f"vocabulary: {d.src_tokenizer.vocab_size} ({'shared' if shared else 'source'}), "
             f"buckets {d.boundaries}, padding share of target positions "
             f"{100 * d.padding_fraction:.1f}%",
+            *(
+                [
+                    f"subword sampling: alpha {sampling[0]}, {sampling[1]} segmentations of "
+                    f"the training split, epoch e reads segmentation e mod {sampling[1]}"
+                ]
+                if (sampling := subword_sampling(config))
+                else []
+            ),
         ],
     )
