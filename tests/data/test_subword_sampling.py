@@ -14,7 +14,12 @@ from flaxformer_lite.core.special_ids import EOS_ID, PAD_ID
 from flaxformer_lite.data.reading import load_pairs
 from flaxformer_lite.data.tasks.translation import build_translation_data
 from flaxformer_lite.data.tokenizer import SubwordSampler, Tokenizer
-from tests.data.test_data import assert_same_batches, take, translation_config, write_corpus
+from tests.helpers.translation_data import (
+    assert_same_batches,
+    take,
+    translation_config,
+    write_corpus,
+)
 
 SAMPLES = 3
 

@@ -232,12 +232,21 @@ def test_translation_accumulation_must_divide_the_rows():
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"subword_alpha": 1.5}, r"^config\.subword_alpha must be a number in \(0, 1\] \(None = off\); got 1\.5$"),
+        (
+            {"subword_alpha": 1.5},
+            r"^config\.subword_alpha must be a number in \(0, 1\] \(None = off\); got 1\.5$",
+        ),
         ({"subword_alpha": -0.2}, r"^config\.subword_alpha must be a number in \(0, 1\]"),
-        ({"subword_alpha": 0.5, "subword_samples": 0}, r"^config\.subword_samples must be a positive integer \(segmentations drawn"),
-        ({"subword_alpha": 0.5, "spm_model_type": "char"}, r"^config\.subword_alpha needs config\.spm_model_type 'unigram' or 'bpe'"),
+        (
+            {"subword_alpha": 0.5, "subword_samples": 0},
+            r"^config\.subword_samples must be a positive integer \(segmentations drawn",
+        ),
+        (
+            {"subword_alpha": 0.5, "spm_model_type": "char"},
+            r"^config\.subword_alpha needs config\.spm_model_type 'unigram' or 'bpe'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_subword_sampling_settings_are_checked(changes, match):
     config = load_config("multi30k")
     config.update(changes)
