@@ -32,34 +32,19 @@ from flaxformer_lite.models import EncoderDecoder  # noqa: E402
 from flaxformer_lite.nn.config import TransformerConfig  # noqa: E402
 
 from helpers.sharded_decode import init as init_params
+from helpers.translation_data import translation_config as small_corpus_config
 
 SENTENCES = ["a man runs in the park", "the red dog sits on a big house"]
 
 
 def translation_config(data_dir: str) -> ml_collections.ConfigDict:
-    return ml_collections.ConfigDict(
-        {
-            "task": "translation",
-            "dataset": None,
-            "dataset_config": None,
-            "data_dir": data_dir,
-            "local_splits": None,
-            "data_format": "parallel_text",
-            "source_lang": "en",
-            "target_lang": "de",
-            "train_split": "train",
-            "eval_split": "val",
-            "vocab_size": 60,
-            "shared_vocab": True,
-            "spm_model_type": "unigram",
-            "max_len": 16,
-            "too_long": "truncate",
-            "tokens_per_batch": 256,
-            "batch_size_multiple": 8,
-            "packing": False,
-            "streaming": False,
-            "seed": 0,
-        }
+    return small_corpus_config(
+        data_dir,
+        task="translation",
+        local_splits=None,
+        max_len=16,
+        batch_size_multiple=8,
+        streaming=False,
     )
 
 
