@@ -10,6 +10,10 @@ rotates every round, so machine load hits every system alike), greedy and beam 4
 * ``flaxformer_lite``: ``generate_jit`` (one jitted call: encoder, key/value cache, search),
   compiled ahead of time, compilation not timed; beam search with the cache in place (the
   default, ``beam_cache="in_place"``);
+* ``ours-1device`` (with ``--cpu_devices N``, N > 1): ours on the first of the N CPU devices
+  alone, beside ``flaxformer_lite`` on every device that divides the batch (the host CPU split
+  into N XLA devices, ``sharding.use_cpu_devices``: the batch data-parallel over them, each
+  device's rows on its own thread, as ``config.cpu_devices`` trains);
 * ``ours-reorder`` (beam search only): the same with ``beam_cache="reorder"``, the search that
   gathers every cache row by parent beam after each step (what main did before issue 15);
 * ``hf``: ``MarianMTModel.generate`` (PyTorch eager, its key/value cache, ``torch.no_grad``,
@@ -40,6 +44,8 @@ a markdown table. Needs the bench extra (transformers, torch, ctranslate2).
     .venv/bin/python bench/translate_speed.py --systems flaxformer_lite flaxformer_lite-int8 \
         ct2-float32 ct2-int8 --batches 8 32 --new_tokens 32   # the int8 comparison alone
     .venv/bin/python bench/translate_speed.py --methods beam4 --batches 1 32 --new_tokens 32
+    .venv/bin/python bench/translate_speed.py --cpu_devices 2 --systems flaxformer_lite \
+        ours-1device ct2-float32 --batches 1 32 --new_tokens 32   # 2 CPU devices against 1
     .venv/bin/python bench/translate_speed.py --systems flaxformer_lite-bf16 ct2-float32 \
         ct2-bfloat16 ct2-int8_bfloat16 --batches 1 32 --new_tokens 32   # bfloat16 alone
 """
@@ -59,9 +65,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flaxformer_lite.decoding.generate import default_mesh, generate_jit
+from flaxformer_lite.core import sharding
+from flaxformer_lite.decoding.generate import generate_jit, place_params
 from flaxformer_lite.inference.translator import with_dtype
 from flaxformer_lite.interop import hf
+from flaxformer_lite.models import EncoderDecoder
 from flaxformer_lite.ops.quantize import quantize_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -99,6 +107,7 @@ QUICK = dict(
 SYSTEMS = (
     "flaxformer_lite",
     "ours-reorder",
+    "ours-1device",
     "hf",
     "ct2-float32",
     "ct2-int8",
@@ -126,6 +135,13 @@ def cpu_flags() -> str:
     flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if "Flags" in ln), [])
     avx = sorted(f for f in flags if f.startswith("avx"))
     return f"{model}; {os.cpu_count()} cores; " + (" ".join(avx) if avx else "no AVX")
+
+
+def batch_mesh(batch: int) -> jax.sharding.Mesh:
+    """The first k devices, k the most of them that divide ``batch`` (no padded rows)."""
+    devices = jax.devices()
+    k = max(k for k in range(1, len(devices) + 1) if batch % k == 0)
+    return sharding.make_mesh((-1, 1, 1), devices[:k])
 
 
 def build_models(settings: dict, max_new: int, workdir: Path):
@@ -189,7 +205,12 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=None, help="override")
     parser.add_argument("--new_tokens", nargs="+", type=int, default=None, help="override")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument(
+        "--cpu_devices", type=int, default=None, help="split the host CPU into N XLA devices"
+    )
     args = parser.parse_args()
+    if args.cpu_devices and not sharding.use_cpu_devices(args.cpu_devices):
+        raise SystemExit(f"--cpu_devices {args.cpu_devices}: JAX already started")
     settings = dict(QUICK if args.quick else FULL)
     if args.batches:
         settings["batches"] = tuple(args.batches)
@@ -207,10 +228,15 @@ def main() -> None:
         model, config, params, ct2_dir, vocab = build_models(
             settings, max(settings["new_tokens"]), Path(tmp)
         )
-        mesh = default_mesh()
+        one_device = sharding.make_mesh((-1, 1, 1), jax.devices()[:1])
         config_q = config.replace(quantization="int8")
         params_q = quantize_params(params, config)
         params_bf16, config_bf16 = with_dtype(params, config, "bfloat16")
+        kinds = {  # our systems' weights and configs, placed on their devices once per cell
+            "f32": (params, config),
+            "int8": (params_q, config_q),
+            "bf16": (params_bf16, config_bf16),
+        }
         supported = ctranslate2.get_supported_compute_types("cpu")
         for name, kind in CT2_SYSTEMS.items():
             if name in systems and kind not in supported:
@@ -232,11 +258,23 @@ def main() -> None:
                 src_tokens = [[vocab[i] for i in row] for row in src]
                 for method in args.methods:
                     beams = METHODS[method]
+                    mesh = batch_mesh(batch)
+                    wanted = [("f32", mesh)]
+                    wanted += [("int8", mesh)] if "flaxformer_lite-int8" in systems else []
+                    wanted += [("bf16", mesh)] if "flaxformer_lite-bf16" in systems else []
+                    wanted += [("f32", one_device)] if "ours-1device" in systems else []
+                    placed = {  # as the Translator does: on the devices once, not per call
+                        (kind, m.devices.size): place_params(
+                            kinds[kind][0], EncoderDecoder, kinds[kind][1], m
+                        )
+                        for kind, m in wanted
+                    }
 
-                    def compile_ours(p, c, beam_cache="in_place", src=src, beams=beams, new=new):
+                    def compile_ours(kind, beam_cache="in_place", mesh=mesh, src=src, beams=beams,
+                                     new=new, placed=placed):  # fmt: skip
                         return generate_jit.lower(
-                            p,
-                            c,
+                            placed[(kind, mesh.devices.size)],
+                            kinds[kind][1],
                             src,
                             mesh=mesh,
                             method="greedy" if beams == 1 else "beam",
@@ -247,25 +285,22 @@ def main() -> None:
                         ).compile()
 
                     start = time.perf_counter()
-                    compiled = compile_ours(params, config)
+                    compiled = compile_ours("f32")
                     compile_s = time.perf_counter() - start
-                    compiled_q = (
-                        compile_ours(params_q, config_q)
-                        if "flaxformer_lite-int8" in systems
-                        else None
-                    )
-                    compiled_bf16 = (
-                        compile_ours(params_bf16, config_bf16)
-                        if "flaxformer_lite-bf16" in systems
-                        else None
+                    compiled_q = compile_ours("int8") if ("int8", mesh) in wanted else None
+                    compiled_bf16 = compile_ours("bf16") if ("bf16", mesh) in wanted else None
+                    on_one = (
+                        compile_ours("f32", mesh=one_device) if "ours-1device" in systems else None
                     )
                     reordering = (
-                        compile_ours(params, config, "reorder")
+                        compile_ours("f32", "reorder")
                         if beams > 1 and "ours-reorder" in systems
                         else None
                     )
 
-                    def run_ours(compiled=compiled, src=src, params=params):
+                    def run_ours(compiled=compiled, src=src, kind="f32", devices=None, mesh=mesh,
+                                 placed=placed):  # fmt: skip
+                        params = placed[(kind, devices or mesh.devices.size)]
                         tokens, _ = compiled(params, src)
                         return np.asarray(jax.block_until_ready(tokens))
 
@@ -295,14 +330,13 @@ def main() -> None:
                     runners = {
                         "flaxformer_lite": run_ours,
                         "ours-reorder": lambda c=reordering, s=src: run_ours(c, s),
+                        "ours-1device": lambda c=on_one, s=src: run_ours(c, s, devices=1),
                         "hf": run_hf,
                         "ct2-float32": lambda: run_ct2("ct2-float32"),
                         "ct2-int8": lambda: run_ct2("ct2-int8"),
-                        "flaxformer_lite-int8": lambda c=compiled_q, s=src: run_ours(
-                            c, s, params_q
-                        ),
+                        "flaxformer_lite-int8": lambda c=compiled_q, s=src: run_ours(c, s, "int8"),
                         "flaxformer_lite-bf16": lambda c=compiled_bf16, s=src: run_ours(
-                            c, s, params_bf16
+                            c, s, "bf16"
                         ),
                         "ct2-bfloat16": lambda: run_ct2("ct2-bfloat16"),
                         "ct2-int8_bfloat16": lambda: run_ct2("ct2-int8_bfloat16"),
@@ -319,7 +353,13 @@ def main() -> None:
                     for name, out in outputs.items():
                         assert out.shape == (batch, new), (name, out.shape)
                         assert not (out == config.eos_id).any(), name
-                    row = dict(method=method, batch=batch, new_tokens=new, compile_s=compile_s)
+                    row = dict(
+                        method=method,
+                        batch=batch,
+                        new_tokens=new,
+                        compile_s=compile_s,
+                        devices=int(mesh.devices.size),
+                    )
                     for name in cell:
                         seconds = statistics.median(times[name])
                         row[f"{name}_tok_s"] = batch * new / seconds
@@ -334,6 +374,7 @@ def main() -> None:
         ("ours / ct2-f32", "flaxformer_lite", "ct2-float32"),
         ("ours / hf", "flaxformer_lite", "hf"),
         ("ours / reorder", "flaxformer_lite", "ours-reorder"),
+        ("ours / ours-1device", "flaxformer_lite", "ours-1device"),
         ("ct2-int8 / ct2-f32", "ct2-int8", "ct2-float32"),
         ("ours-int8 / ours", "flaxformer_lite-int8", "flaxformer_lite"),
         ("ours-int8 / ct2-int8", "flaxformer_lite-int8", "ct2-int8"),
@@ -371,6 +412,7 @@ def main() -> None:
         settings={k: v for k, v in settings.items()},
         rounds=args.rounds,
         systems=systems,
+        cpu_devices=len(jax.devices("cpu")),
     )
     out = args.out or RESULTS / (
         "translate_speed_quick.json" if args.quick else "translate_speed.json"

@@ -125,3 +125,16 @@ def test_packed_rows_hold_each_sampled_pair_once(corpus):
         assert sum(int(np.sum(b["targets"] == EOS_ID)) for b in batches) == len(pairs)
         tokens.append(sorted(int(i) for b in batches for i in b["targets"].ravel() if i))
     assert tokens[0] != tokens[1]  # the second epoch reads the second segmentation
+
+    # Two hosts: each reads its half of the rows of every batch, from that epoch's segmentation.
+    hosts = [
+        build_translation_data(config, str(root / "packed"), process_index=p, process_count=2).train
+        for p in (0, 1)
+    ]
+    for stream in (*hosts, td.train):
+        stream.restore({"epoch": 1, "index": 0})
+    for _ in range(len(td.train.epoch_plans()) + 1):  # into epoch 2: segmentation 0 again
+        whole = td.train.next()
+        halves = [h.next() for h in hosts]
+        for key, value in whole.items():
+            np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), value)

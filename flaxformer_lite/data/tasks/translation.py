@@ -519,7 +519,7 @@ def build_translation_data(
     ``config`` needs the attributes: dataset, dataset_config, data_dir, data_format,
     source_lang, target_lang, train_split, eval_split, vocab_size, shared_vocab,
     spm_model_type, max_len, too_long, tokens_per_batch, batch_size_multiple, packing,
-    seed (optional: source_column, target_column, streaming).
+    seed (optional: source_column, target_column, streaming, subword_alpha, subword_samples).
 
     Several hosts: JAX process 0 does the one-off work and the others wait for it
     (:func:`main_process_first`). It trains the SentencePiece models on the training split
@@ -532,6 +532,10 @@ def build_translation_data(
     bytes each) and reads the tokens of its own rows only. ``streaming=True`` reads the
     corpus through ``datasets`` streaming (see :func:`iter_pairs`); process 0 then reads it
     twice when it has to train the vocabulary (once for that, once to tokenize).
+    ``subword_alpha`` (subword regularization, :class:`SubwordSampler`): process 0 encodes
+    ``subword_samples`` sampled segmentations of the training split instead of the most likely
+    one, each its own token cache (the corpus is read once per segmentation), and epoch ``e``
+    reads segmentation ``e % subword_samples``.
 
     Eval pairs are read first and encoded by every process (an eval split is small); they are
     always truncated, never dropped, so the eval set is complete.
