@@ -728,6 +728,8 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
         if decision is not None
         else None
     )
+    # Where training ends: num_steps, or the step a spent budget stopped it at.
+    end = num_steps if budget is None or decision is None else decision.last_step
     if decision is not None:
         log(f"{decision.line()}, read from {time_budget.FILE}")
 
@@ -843,7 +845,7 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.LOGICAL_RULES):
             for step in itertools.count(start_step):
-                if num_steps is not None and step >= num_steps:
+                if end is not None and step >= end:
                     break
                 batch = sharding.host_local_to_global(task.train.next(), mesh)
                 shapes = tuple((k, v.shape) for k, v in sorted(batch.items()))
@@ -873,7 +875,8 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                 # evaluating.
                 sync(window, pending)
                 pending = []
-                window.stop_clock(clock())
+                now = clock()
+                window.stop_clock(now)
                 if compiles and paced_from is None:
                     paced_from = (done, clock() - started)
                 if save_failed:  # the steps since the last intact checkpoint are lost: no row
@@ -905,7 +908,7 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                         if is_main:
                             time_budget.write(workdir, decision)
                         log(decision.line())
-                        num_steps = decision.num_train_steps
+                        num_steps = end = decision.num_train_steps
                         bar.total = num_steps
                         bar.refresh()
                         # The schedule now ends at num_steps: the next step compiles again.
@@ -914,6 +917,19 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                             config, model, task.kind, tx, schedule, state_shardings, mesh
                         )
                         compiled_shapes.clear()
+                elif (
+                    budget is not None
+                    and decision is not None
+                    and done < end
+                    and shared_flag(now - started >= 60.0 * decision.minutes)
+                ):  # the machine slowed down since the decision: end within the budget
+                    end = done
+                    decision = dataclasses.replace(decision, stopped_at=done)
+                    if is_main:
+                        time_budget.write(workdir, decision)
+                    log(time_budget.spent_line(decision, float(schedule(done))))
+                    bar.total = done
+                    bar.refresh()
                 window.start_clock(clock())
 
             final = int(state.step)
@@ -943,13 +959,24 @@ def shared_decision(decision: time_budget.Decision | None) -> time_budget.Decisi
         return decision
     from jax.experimental import multihost_utils
 
-    steps = decision.num_train_steps if decision is not None else -1
-    steps = int(multihost_utils.broadcast_one_to_all(np.int64(steps)))
+    mine = [-1, -1] if decision is None else [decision.num_train_steps, decision.stopped_at or -1]
+    steps, stopped = (int(x) for x in multihost_utils.broadcast_one_to_all(np.int64(mine)))
     if steps < 0:
         return None
+    stopped_at = None if stopped < 0 else stopped
     if decision is None:  # only process 0 reads the workdir's file
-        return time_budget.Decision(math.nan, -1, math.nan, math.nan, steps)
-    return dataclasses.replace(decision, num_train_steps=steps)
+        return time_budget.Decision(math.nan, -1, math.nan, math.nan, steps, stopped_at)
+    return dataclasses.replace(decision, num_train_steps=steps, stopped_at=stopped_at)
+
+
+def shared_flag(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (a decision from its clock, which all must
+    follow at the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
 
 
 def warn(is_main: bool) -> Callable[[str], None]:

@@ -37,11 +37,13 @@ def get_config():
     c.packing = True
     c.tokens_per_batch = 2048
     c.batch_size_multiple = 8
-    # Subword regularization (Kudo, 2018), None = off: alpha in (0, 1] draws subword_samples
-    # segmentations of every training sentence once into the token cache (unigram: from
-    # p(x) ** alpha over all segmentations; bpe: merge dropout alpha), epoch e reading
-    # segmentation e mod subword_samples; eval and translation use the most likely one.
-    c.subword_alpha = placeholder(float)
+    # Subword regularization (Kudo, 2018), None = off: subword_samples segmentations of every
+    # training sentence drawn once into the token cache (unigram: from p(x) ** alpha over all
+    # segmentations; alpha 0.5 changes 41% of the German sentences, +3% pieces), epoch e
+    # reading segmentation e mod subword_samples; eval and translation use the most likely
+    # one. Best val BLEU of the hour runs: 41.28 lowercased against 40.64 without
+    # (docs/results.md).
+    c.subword_alpha = 0.5
     c.subword_samples = 8
 
     # A "tiny" Transformer (4+4 layers, d_model 128, d_ff 256) tied and shared embeddings: the

@@ -145,6 +145,47 @@ def test_a_resumed_run_keeps_the_decided_step_count(budget_run, tmp_path, monkey
         np.testing.assert_array_equal(x, y)
 
 
+def test_a_machine_that_slows_after_the_decision_stops_at_the_budget(tmp_path, monkeypatch, capsys):
+    """The clock runs three times slower once the step count is decided (a shared host that
+    got busy): the run ends where the budget is spent, before the decided step, records it,
+    and its updates up to there are a fixed-step run's; a rerun trains no further."""
+    clock = TickClock(1.0)
+    decide = time_budget.decide
+
+    def deciding(**kwargs):
+        decision = decide(**kwargs)
+        clock.tick = 3.0
+        return decision
+
+    monkeypatch.setattr(train, "clock", clock)
+    monkeypatch.setattr(time_budget, "decide", deciding)
+    workdir = tmp_path / "slowed"
+    config = tiny_config(time_budget_minutes=1.0)
+    train.train_and_evaluate(config, str(workdir))
+    recorded = json.loads((workdir / time_budget.FILE).read_text())
+    stopped, steps = recorded["stopped_at"], recorded["num_train_steps"]
+    assert EVAL_EVERY < stopped < steps, recorded
+    assert f"time budget 1 min spent at step {stopped} of {steps}: training ends here" in (
+        capsys.readouterr().out
+    )
+    assert int(saved_state(workdir)[0]["step"]) == stopped
+    lines = read_metrics(str(workdir))
+    assert max(m["step"] for m in lines if "train/learning_rate" in m) == stopped
+    assert any(m["step"] == stopped and "eval/smoothed_kl" in m for m in lines)
+
+    # The same updates as the fixed-step run of the decided length, interrupted there.
+    fixed = tmp_path / "fixed"
+    train.train_and_evaluate(tiny_config(num_train_steps=steps), str(fixed), stop_at=stopped)
+    for x, y in zip(flat(workdir), flat(fixed), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+    # A rerun on a fast clock: nothing more to train, the record unchanged.
+    monkeypatch.setattr(train, "clock", TickClock(0.01))
+    train.train_and_evaluate(config, str(workdir))
+    assert int(saved_state(workdir)[0]["step"]) == stopped
+    assert json.loads((workdir / time_budget.FILE).read_text()) == recorded
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
