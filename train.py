@@ -814,11 +814,14 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
     )
 
     # MFU: analytic model FLOPs of the timed steps over this machine's measured matmul peak
-    # (per device, times the device count). On a CPU a 1024-square matmul reaches the peak of
-    # a 2048 one (67.8 vs 68.9 GFLOP/s measured on a 2-core EPYC) in a sixth of the time (1.4 s
-    # vs 8.6 s, paid at every start); accelerators need a larger product to fill.
+    # (one device's, times the accelerators; CPU devices of a process share its cores, so
+    # config.cpu_devices does not halve the figure). On a CPU a 1024-square matmul reaches
+    # the peak of a 2048 one (67.8 vs 68.9 GFLOP/s measured on a 2-core EPYC) in a sixth of
+    # the time (1.4 s vs 8.6 s, paid at every start); accelerators need a larger product.
     size = 1024 if jax.default_backend() == "cpu" else 4096
-    peak = flops.matmul_peak_flops(size, dtype=cfg.compute_dtype) * jax.device_count()
+    peak = flops.matmul_peak_flops(size, dtype=cfg.compute_dtype) * flops.peak_multiplier(
+        jax.default_backend(), jax.device_count(), jax.process_count()
+    )
     from tqdm import tqdm
 
     start_step = int(state.step)

@@ -185,3 +185,12 @@ def test_parameter_count_follows_head_dim_and_rejects_unknown_models():
     assert flops.parameter_count(SMALL.replace(head_dim=8)) == flops.parameter_count(SMALL)
     with pytest.raises(ValueError, match="model must be one of"):
         flops.parameter_count(SMALL, "encoder_only")
+
+
+def test_the_peak_counts_accelerators_but_a_processs_cpu_devices_once():
+    """CPU devices of one process (config.cpu_devices) share its cores: 2 of them must not
+    halve the MFU a run reports; every GPU or TPU adds its own peak; CPU hosts add theirs."""
+    assert flops.peak_multiplier("cpu", device_count=2, process_count=1) == 1
+    assert flops.peak_multiplier("cpu", device_count=8, process_count=2) == 2
+    assert flops.peak_multiplier("gpu", device_count=8, process_count=1) == 8
+    assert flops.peak_multiplier("tpu", device_count=16, process_count=4) == 16
