@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 
 import jax
@@ -24,24 +23,10 @@ from flaxformer_lite.inference.translator import load_vocabularies
 from flaxformer_lite.training.metrics import MetricWriter, read_metrics
 
 from helpers.runs import ROOT, saved_state, train_cmd, wait_for_checkpoint
+from helpers.tensorboard import tensorboard_scalars
 
 STEPS = 20  # room for the kill to land mid-run: saves 10, 15 and 20 each wait for the one before
 SOURCES = ["31415", "2718", "1414", "57721", "6"]
-
-
-def _tensorboard_scalars(directory: str) -> set[tuple[str, int]]:
-    """(tag, step) of every scalar in the TFRecord event files under ``directory``."""
-    from tensorboardX.proto import event_pb2
-
-    found = set()
-    for file in epath.Path(directory).iterdir():
-        raw, pos = file.read_bytes(), 0
-        while pos < len(raw):
-            (length,) = struct.unpack("<Q", raw[pos : pos + 8])
-            event = event_pb2.Event.FromString(raw[pos + 12 : pos + 12 + length])
-            pos += 12 + length + 4  # length, its crc, the record, its crc
-            found |= {(v.tag, event.step) for v in event.summary.value}
-    return found
 
 
 def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_evaluate(
@@ -108,7 +93,7 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     assert set(train) == set(expected) and final_eval == expected_eval
     assert train == expected  # one row per step: the killed run's rows past its checkpoint moved
     assert len(train) > len([s for s, _ in expected if s > saved[-1]])  # pre-kill lines kept
-    scalars = _tensorboard_scalars(f"{run}/tensorboard")
+    scalars = tensorboard_scalars(f"{run}/tensorboard")
     expected_scalars = {("train/smoothed_kl", s) for s, _ in expected}
     assert expected_scalars | {("eval/smoothed_kl", STEPS)} <= scalars
     for name in ("config.json", "model_config.json", "vocab.json"):
@@ -182,7 +167,7 @@ def test_vocabulary_data_metrics_and_figures_in_a_bucket(gcs, tmp_path):
             writer.write(step, {"train/perplexity": 2.0 + step, "eval/perplexity": 3.0})
         writer.close()
     assert [m["step"] for m in read_metrics(str(root))] == [10, 20, 30]
-    assert ("train/perplexity", 30) in _tensorboard_scalars(str(root / "tensorboard"))
+    assert ("train/perplexity", 30) in tensorboard_scalars(str(root / "tensorboard"))
     # A third run resumes from step 20 (the one that wrote step 30 died before checkpointing
     # it): row 30 goes to an object of its own, and the new rows follow step 20.
     writer = MetricWriter(str(root))
