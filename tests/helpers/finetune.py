@@ -3,8 +3,11 @@ configs/finetune_marian.py with tiny settings, and the eval loss and final param
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
+
+import jax
 
 import train
 from flaxformer_lite.data import tasks
@@ -61,9 +64,12 @@ def eval_loss(config, workdir: Path, params) -> float:
     task = tasks.build_task(config, str(workdir), process_index=0, process_count=1)
     cfg = train.model_config(config, task)
     model = train.build_model(task.kind, cfg)
+    step = jax.jit(
+        functools.partial(train.eval_step, model=model, kind=task.kind, label_smoothing=0.1)
+    )  # as train.py runs it: one program per batch shape, not an eager forward pass
     total, count = 0.0, 0.0
     for batch in task.eval_batches:
-        sums = train.eval_step(params, batch, model=model, kind=task.kind, label_smoothing=0.1)
+        sums = step(params, batch)
         total += float(sums["smoothed_kl"])
         count += float(sums["count"])
     return total / count
