@@ -813,14 +813,15 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
         log=log,
     )
 
-    # MFU: analytic model FLOPs of the timed steps over this machine's measured matmul peak
-    # (one device's, times the accelerators; CPU devices of a process share its cores, so
-    # config.cpu_devices does not halve the figure). On a CPU a 1024-square matmul reaches
-    # the peak of a 2048 one (67.8 vs 68.9 GFLOP/s measured on a 2-core EPYC) in a sixth of
-    # the time (1.4 s vs 8.6 s, paid at every start); accelerators need a larger product.
-    size = 1024 if jax.default_backend() == "cpu" else 4096
-    peak = flops.matmul_peak_flops(size, dtype=cfg.compute_dtype) * flops.peak_multiplier(
-        jax.default_backend(), jax.device_count(), jax.process_count()
+    # MFU: analytic model FLOPs of the timed steps over the run's peak: config.peak_flops, or
+    # this machine's measured matmul peak (one device's, times the accelerators; CPU devices of
+    # a process share its cores, so config.cpu_devices does not halve the figure).
+    peak = flops.run_peak_flops(
+        config.get("peak_flops"),
+        backend=jax.default_backend(),
+        device_count=jax.device_count(),
+        process_count=jax.process_count(),
+        dtype=cfg.compute_dtype,
     )
     from tqdm import tqdm
 

@@ -45,6 +45,11 @@ def base_config() -> ml_collections.ConfigDict:
     # the mesh runs the batch data-parallel over them, each on its own thread
     # (core/sharding.py: use_cpu_devices). GPUs and TPUs are unaffected.
     c.cpu_devices = ml_collections.config_dict.placeholder(int)
+    # One device's peak FLOP/s, the denominator of the MFU a run logs (None: measured at start
+    # by a jitted matmul in the compute dtype, about half a second on 2 CPU cores). Set it to
+    # the vendor's figure to report MFU against the datasheet, as is usual on accelerators
+    # (e.g. 197e12 for a TPU v5e in bfloat16, 989e12 for an H100 SXM in bfloat16).
+    c.peak_flops = ml_collections.config_dict.placeholder(float)
 
     # Model: TransformerConfig fields (vocabulary sizes come from the data).
     c.model = ml_collections.ConfigDict(

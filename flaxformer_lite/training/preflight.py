@@ -54,13 +54,15 @@ COMMON_KEYS = (
 # folder or hub id; flaxformer_lite/interop/init_from.py), parameter-name patterns to freeze,
 # a wall-clock budget (training/time_budget.py), how many last checkpoints the inference
 # CLIs and Translator.from_workdir average by default, and how many XLA devices to split the
-# host's CPU into (core/sharding.py: use_cpu_devices).
+# host's CPU into (core/sharding.py: use_cpu_devices), and one device's peak FLOP/s for MFU
+# (training/flops.py: run_peak_flops).
 OPTIONAL_KEYS = (
     "init_from",
     "freeze",
     "time_budget_minutes",
     "average_checkpoints",
     "cpu_devices",
+    "peak_flops",
 )
 
 # The further keys each task reads (flaxformer_lite/data/tasks/, build_translation_data) or
@@ -148,6 +150,7 @@ SAFE_CHANGES = (
     "alpha",
     "average_checkpoints",
     "cpu_devices",
+    "peak_flops",
 )
 
 # Fields whose change alters the shapes of the checkpoint's parameters or optimizer state, so
@@ -374,6 +377,10 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
                 f"({config.keep_checkpoints}): only the kept checkpoints can be averaged"
             )
     check_cpu_devices(config)
+    if config.get("peak_flops") is not None:
+        _number_in(
+            config, "peak_flops", 0.0, None, "(0, inf) FLOP/s (None = measure)", open_low=True
+        )
     _int_at_least(config, "log_every", 1)
     _int_at_least(config, "eval_every", 0, " (0 = evaluate only at the end)")
     _int_at_least(config, "checkpoint_every", 1)

@@ -50,6 +50,7 @@ SHARDING_FLAGS = [
     # These tests compare checkpoints and losses; the final evaluation decodes nothing (decoding
     # on meshes and on 2 processes: test_generate, test_multihost_data).
     "--config.decode_eval=False",
+    "--config.peak_flops=1e11",  # no start-up matmul measurement (tiny_configs.TINY_OVERRIDES)
 ]
 
 

@@ -194,3 +194,26 @@ def test_the_peak_counts_accelerators_but_a_processs_cpu_devices_once():
     assert flops.peak_multiplier("cpu", device_count=8, process_count=2) == 2
     assert flops.peak_multiplier("gpu", device_count=8, process_count=1) == 8
     assert flops.peak_multiplier("tpu", device_count=16, process_count=4) == 16
+
+
+def test_a_configured_peak_replaces_the_measurement_and_still_counts_devices():
+    """config.peak_flops (one device's datasheet figure) skips the start-up matmul; the
+    measurement, when it runs, uses the backend's matrix size and the compute dtype."""
+    measured = []
+
+    def measure(size, dtype):
+        measured.append((size, dtype))
+        return 5.0
+
+    def peak(configured, backend, devices, processes):
+        return flops.run_peak_flops(
+            configured, backend=backend, device_count=devices, process_count=processes,
+            dtype=jnp.bfloat16, measure=measure,
+        )  # fmt: skip
+
+    assert peak(197e12, "tpu", 8, 2) == 8 * 197e12
+    assert peak(3e11, "cpu", 2, 1) == 3e11
+    assert measured == []
+    assert peak(None, "cpu", 2, 1) == 5.0
+    assert peak(None, "gpu", 4, 1) == 20.0
+    assert measured == [(1024, jnp.bfloat16), (4096, jnp.bfloat16)]

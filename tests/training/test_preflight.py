@@ -128,6 +128,12 @@ def _set(config, key: str, value):
             r"^config\.cpu_devices must be a positive integer \(None = JAX's default, one CPU "
             r"device\); got 0$",
         ),
+        (
+            "peak_flops",
+            -1.0,
+            r"^config\.peak_flops must be a number in \(0, inf\) FLOP/s \(None = measure\); "
+            r"got -1\.0$",
+        ),
         ("num_train_steps", 0, r"config\.num_train_steps must be a positive integer; got 0"),
         ("batch_size", 0, r"config\.batch_size must be a positive integer; got 0"),
         ("batch_size", -8, r"config\.batch_size must be a positive integer; got -8"),

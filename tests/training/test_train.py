@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 import train  # noqa: E402
 from flaxformer_lite.core.checkpoints import Checkpointer, finished_steps  # noqa: E402
 from flaxformer_lite.training import (
+    flops,
     losses,  # noqa: E402
     optim,
 )
@@ -61,6 +62,11 @@ def record_decoding(monkeypatch) -> list:
 
 def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path, monkeypatch):
     recorded = record_decoding(monkeypatch)
+
+    def unwanted(*args, **kwargs):
+        raise AssertionError("config.peak_flops is set: the peak must not be measured")
+
+    monkeypatch.setattr(flops, "matmul_peak_flops", unwanted)
     metrics = train.train_and_evaluate(tiny_config(), str(tmp_path))
     lines = read_metrics(str(tmp_path))
     train_losses = [m["train/smoothed_kl"] for m in lines if "train/smoothed_kl" in m]
@@ -72,6 +78,7 @@ def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path, monk
         "train/learning_rate",
         "train/grad_norm",
         "train/tokens_per_second",
+        "train/mfu",
     ):
         assert key in lines[0]
     evals = [m for m in lines if "eval/exact_match" in m]
