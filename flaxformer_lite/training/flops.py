@@ -199,14 +199,12 @@ def run_peak_flops(
     device_count: int,
     process_count: int,
     dtype=jnp.float32,
-    measure=None,
 ) -> float:
     """The run's peak FLOP/s, the denominator of its MFU: one device's peak (``configured``,
-    e.g. a datasheet figure from ``config.peak_flops``, or else measured by ``measure``,
-    :func:`matmul_peak_flops` by default, on a square matmul in ``dtype``) times
-    :func:`peak_multiplier`. On a CPU a 1024-square matmul reaches the peak of a 2048 one
-    (67.8 vs 68.9 GFLOP/s measured on a 2-core EPYC) in a sixth of the time (1.4 s vs 8.6 s,
-    paid at every start); accelerators need a larger product."""
+    e.g. a datasheet figure from ``config.peak_flops``, or else :func:`matmul_peak_flops` of a
+    square matmul in ``dtype``) times :func:`peak_multiplier`. On a CPU a 1024-square matmul
+    reaches the peak of a 2048 one (67.8 vs 68.9 GFLOP/s measured on a 2-core EPYC) in a sixth
+    of the time (1.4 s vs 8.6 s, paid at every start); accelerators need a larger product."""
     if configured is None:
-        configured = (measure or matmul_peak_flops)(1024 if backend == "cpu" else 4096, dtype=dtype)
+        configured = matmul_peak_flops(1024 if backend == "cpu" else 4096, dtype=dtype)
     return configured * peak_multiplier(backend, device_count, process_count)

@@ -196,7 +196,7 @@ def test_the_peak_counts_accelerators_but_a_processs_cpu_devices_once():
     assert flops.peak_multiplier("tpu", device_count=16, process_count=4) == 16
 
 
-def test_a_configured_peak_replaces_the_measurement_and_still_counts_devices():
+def test_a_configured_peak_replaces_the_measurement_and_still_counts_devices(monkeypatch):
     """config.peak_flops (one device's datasheet figure) skips the start-up matmul; the
     measurement, when it runs, uses the backend's matrix size and the compute dtype."""
     measured = []
@@ -205,10 +205,12 @@ def test_a_configured_peak_replaces_the_measurement_and_still_counts_devices():
         measured.append((size, dtype))
         return 5.0
 
+    monkeypatch.setattr(flops, "matmul_peak_flops", measure)
+
     def peak(configured, backend, devices, processes):
         return flops.run_peak_flops(
             configured, backend=backend, device_count=devices, process_count=processes,
-            dtype=jnp.bfloat16, measure=measure,
+            dtype=jnp.bfloat16,
         )  # fmt: skip
 
     assert peak(197e12, "tpu", 8, 2) == 8 * 197e12
