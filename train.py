@@ -1012,9 +1012,8 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     from absl import app, flags, logging
-    from ml_collections import config_flags
 
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file.")
+    _CONFIG = preflight.define_config_flag()
     _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and logs.")
     _MULTIHOST = flags.DEFINE_bool(
         "multihost", False, "Auto-detect a multi-host run (TPU VM pod slice, SLURM)."

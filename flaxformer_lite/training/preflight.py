@@ -698,6 +698,26 @@ def _check_restore_step(config: Any, root: Any) -> None:
 # ----------------------------------------------------------------------------- CLI flags
 
 
+def define_config_flag(flag_values: Any = None) -> Any:
+    """train.py's ``--config`` flag (in ``flag_values``; default: absl's global flags): a Python
+    config file whose fields ``--config.KEY=VALUE`` overrides, keys the file does not list
+    included (``--config.model.dtype=bfloat16`` on a config whose ``model`` dict has no
+    ``dtype``; the value is read as a Python literal, else kept as a string). A misspelt key
+    therefore parses, and :func:`check_keys` refuses it before any work with the key and the
+    nearest valid one. Returns absl's flag holder."""
+    from ml_collections import config_flags
+
+    kwargs = {} if flag_values is None else {"flag_values": flag_values}
+    return config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "Python config file.",
+        lock_config=False,  # ml_collections: new keys need an unlocked config
+        accept_new_attributes=True,
+        **kwargs,
+    )
+
+
 def parse_flags(argv: list[str], flag_values: Any = None) -> list[str]:
     """absl's flag parser (of ``flag_values``; default: absl's global flags, as ``app.run``),
     with a misspelt ``--config.KEY=...`` override reported as one line (``error: ...``, exit

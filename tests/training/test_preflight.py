@@ -362,17 +362,51 @@ def test_command_line_prints_one_error_line_and_exits_nonzero(tmp_path):
     assert not workdir.exists()
 
 
-def test_misspelt_command_line_key_is_one_line(capsys, monkeypatch):
-    """The absl parser train.py uses turns ml_collections' traceback into one line."""
+def _parse(monkeypatch, *overrides: str, config: str = "configs/default.py"):
+    """train.py's --config flag (``preflight.define_config_flag``) parsed from a command line."""
     from absl import flags
-    from ml_collections import config_flags
 
-    argv = ["train.py", "--config", str(ROOT / "configs/default.py"), "--config.model.d_mdoel=5"]
+    argv = ["train.py", "--config", str(ROOT / config), *overrides]
     monkeypatch.setattr(sys, "argv", argv)  # config_flags finds the overrides in sys.argv
     values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "config", flag_values=values)
+    preflight.define_config_flag(values)
+    preflight.parse_flags(argv, flag_values=values)
+    return values.config
+
+
+def test_a_model_field_the_config_file_does_not_list_is_set_from_the_command_line(monkeypatch):
+    """configs/multi30k.py's model dict names no dtype or attention_window: the command line adds them,
+    read as Python literals, and the keys pass preflight."""
+    config = _parse(
+        monkeypatch,
+        "--config.model.dtype=bfloat16",
+        "--config.model.attention_window=8",
+        "--config.model.d_ff=512",
+        config="configs/multi30k.py",
+    )
+    assert "dtype" not in load_config("multi30k").model
+    assert (config.model.dtype, config.model.attention_window, config.model.d_ff) == (
+        "bfloat16",
+        8,
+        512,
+    )
+    preflight.check_keys(config)
+
+
+def test_misspelt_command_line_keys_are_refused_in_one_line(capsys, monkeypatch):
+    """A misspelt leaf parses (new keys are allowed) and preflight names it with the nearest
+    valid key; a misspelt key on the way to it stops the parser, whose traceback becomes one
+    line."""
+    config = _parse(monkeypatch, "--config.model.d_mdoel=5")
+    with pytest.raises(ConfigError, match=r"^config.model.d_mdoel is not a TransformerConfig "
+                       r"field; did you mean d_model\?$"):  # fmt: skip
+        preflight.check_keys(config)
+    config = _parse(monkeypatch, "--config.lable_smoothing=0.2")
+    with pytest.raises(ConfigError, match=r"did you mean label_smoothing\?$"):
+        preflight.check_keys(config)
+
     with pytest.raises(SystemExit) as info:
-        preflight.parse_flags(argv, flag_values=values)
+        _parse(monkeypatch, "--config.modle.dtype=bfloat16")
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --config.model.d_mdoel: no such config key; did you mean d_model?"]
+    assert err == ["error: --config.modle: no such config key; did you mean model?"]
