@@ -9,6 +9,7 @@ itself).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,7 +33,9 @@ class MetricWriter:
     every line: the object always holds complete lines. TensorBoard events are written to a
     local temporary folder and their files uploaded to ``workdir/tensorboard`` at every write
     (tensorboardX's own gs:// writer re-uploads from ``__del__`` at interpreter exit, which
-    blocks for minutes when the store is gone).
+    blocks for minutes when the store is gone). The folder is named after the workdir
+    (:func:`staging_folder`): a run killed before :meth:`close` leaves it behind, and the
+    run that resumes that workdir empties it and removes it when done.
     """
 
     def __init__(self, workdir: str, *, active: bool = True) -> None:
@@ -50,7 +53,9 @@ class MetricWriter:
                 self._text = self.path.read_text() if self.path.exists() else ""
                 if self._text and not self._text.endswith("\n"):
                     self._text += "\n"
-                self._tb_staging = logdir = tempfile.mkdtemp(prefix="flaxformer_tensorboard_")
+                self._tb_staging = logdir = staging_folder(str(self._tb_dir))
+                shutil.rmtree(logdir, ignore_errors=True)  # a killed run's, all uploaded
+                os.makedirs(logdir, mode=0o700)
             self._tb = summary_writer_class()(logdir)
 
     def set_aside_rows_after(
@@ -119,6 +124,13 @@ class MetricWriter:
         if self._tb_staging is not None:
             shutil.rmtree(self._tb_staging, ignore_errors=True)
             self._tb_staging = None
+
+
+def staging_folder(remote_dir: str) -> str:
+    """The local folder whose TensorBoard event files are mirrored to ``remote_dir`` (a URI):
+    in the temporary directory, named after a hash of the URI, the same for every run of it."""
+    digest = hashlib.sha256(remote_dir.encode("utf-8")).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"flaxformer_tensorboard_{digest}")
 
 
 def _read_bytes(path) -> bytes:

@@ -35,11 +35,14 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     """The default config (tiny) trains into gs://bucket/run, is SIGKILLed after its first
     checkpoint, resumes from the bucket and ends bitwise equal to an uninterrupted local run;
     translate and evaluate then read that workdir and write their outputs into the bucket.
-    Every process runs in an empty folder that must stay empty."""
+    Every process runs in an empty folder that must stay empty. The killed run's local
+    TensorBoard staging folder is emptied and removed by the run that resumes."""
     run = "gs://bucket/run"
-    cwd = tmp_path / "cwd"
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
     cwd.mkdir()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    tmp.mkdir()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
+    staging = lambda: sorted(p.name for p in tmp.glob("flaxformer_tensorboard_*"))  # noqa: E731
     cmd = lambda workdir: train_cmd(workdir, STEPS, decode_eval=False)  # noqa: E731
     popen = dict(cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -50,6 +53,8 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
     assert killed.returncode == -signal.SIGKILL, out  # killed mid-run, not after it ended
     saved = finished_steps(f"{run}/checkpoints")
     assert saved and first <= saved[-1] < STEPS
+    left = staging()
+    assert len(left) == 1 and any((tmp / left[0]).iterdir())  # events not yet cleaned up
 
     # The uninterrupted reference (local) runs beside the resumed one; both start after the
     # killed run compiled the step, so they load it from the persistent compilation cache.
@@ -69,6 +74,7 @@ def test_a_run_in_a_bucket_is_killed_resumes_bitwise_and_serves_translate_and_ev
         resumed.stdout
     )
     assert reference.wait(timeout=300) == 0, reference_log.read_text()
+    assert staging() == []
 
     # The whole train state (parameters, Adam moments, step, RNG) and the data position.
     (a, data_a), (b, data_b) = saved_state(tmp_path / "reference"), saved_state(run)
