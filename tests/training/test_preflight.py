@@ -375,8 +375,8 @@ def _parse(monkeypatch, *overrides: str, config: str = "configs/default.py"):
 
 
 def test_a_model_field_the_config_file_does_not_list_is_set_from_the_command_line(monkeypatch):
-    """configs/multi30k.py's model dict names no dtype or attention_window: the command line adds them,
-    read as Python literals, and the keys pass preflight."""
+    """configs/multi30k.py's model dict names no dtype or attention_window: the command line
+    adds them, read as Python literals, and the keys pass preflight."""
     config = _parse(
         monkeypatch,
         "--config.model.dtype=bfloat16",
