@@ -9,7 +9,9 @@ round, so machine load hits all variants alike), the median time of:
   activations, the int8 x int8 -> int32 dot, rescaling by row x column scales (float32 out);
 * ``bf16``: bfloat16 x bfloat16 -> float32 (activations cast per call, weights stored bf16);
 * ``w8_dequant``: weight-only int8, the weights converted to float32 inside the jitted call,
-  float32 dot, output columns scaled (what XLA does when the weights stay int8 in memory).
+  float32 dot, output columns scaled (what XLA does when the weights stay int8 in memory);
+* ``int8_pad4``: ``int8_dot`` with fewer than 4 rows padded to 4 with zeros and the result
+  sliced back (what ``ops.quantize.int8_matmul`` does: ``MIN_INT8_ROWS``).
 
 Each XLA_FLAGS setting runs in its own subprocess (XLA reads the flags once per process).
 Prints ratios vs f32 (>1: faster than float32) and writes bench/results/int8_matmul.json.
@@ -38,7 +40,7 @@ SETTINGS = {
 K = 512
 SHAPES = [(m, K, n) for m in (1, 32, 128) for n in (512, 2048, 58101)]
 SHAPES += [(2048, K, 512), (2048, K, 2048)]  # train-ish
-VARIANTS = ("f32", "int8_dot", "int8_dynamic", "bf16", "w8_dequant")
+VARIANTS = ("f32", "int8_dot", "int8_dynamic", "bf16", "w8_dequant", "int8_pad4")
 
 
 def worker(rounds: int) -> dict:
@@ -66,6 +68,9 @@ def worker(rounds: int) -> dict:
             lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
         ),
         "w8_dequant": jax.jit(lambda x, wq, ws: (x @ wq.astype(jnp.float32)) * ws),
+        "int8_pad4": jax.jit(
+            lambda a, b: int_dot(jnp.pad(a, ((0, max(0, 4 - a.shape[0])), (0, 0))), b)[: a.shape[0]]
+        ),
     }
     out = {}
     rng = np.random.default_rng(0)
@@ -82,6 +87,7 @@ def worker(rounds: int) -> dict:
             "int8_dynamic": (x, wq, ws),
             "bf16": (x, w.astype(jnp.bfloat16)),
             "w8_dequant": (x, wq, ws),
+            "int8_pad4": (xq, wq),
         }
         for v in VARIANTS:  # compile + warm
             fns[v](*args[v]).block_until_ready()

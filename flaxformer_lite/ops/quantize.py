@@ -38,6 +38,11 @@ SCALE_SUFFIX = "_scale"
 _IN_AXES = {"query": 1, "key": 1, "value": 1, "qkv": 1, "out": 2, "logits": 1}
 _IN_AXES.update(wi=1, wi_up=1, wo=1)
 _KERNELS = ("kernel", "query_kernel", "kv_kernel")
+# An int8 product of fewer rows is computed on this many (zeros below): XLA's CPU int8 dot of
+# 1 row runs at 0.12-0.39x the float32 one, of 4 rows (3 of them zeros) at 2-3x, on an AVX-512
+# VNNI / AMX Xeon (bench/int8_matmul.py, its int8_pad4; docs/benchmarks.md). Greedy decoding of one
+# sentence is all 1-row products.
+MIN_INT8_ROWS = 4
 
 
 def check_quantization(value: Any, name: str = "quantization") -> None:
@@ -83,9 +88,14 @@ def int8_matmul(x: Array, q: Array, scale: Array, in_axes: int = 1) -> Array:
     batch = x.shape[: x.ndim - in_axes]
     k, n = int(np.prod(in_shape)), int(np.prod(out_shape))
     xq, row_scale = quantize_rows(x.reshape(-1, k).astype(jnp.float32))
+    rows = xq.shape[0]
+    # Zero rows: their int32 products are zeros, sliced off. (Not under a symbolic row count,
+    # jax.export's shape polymorphism: no static shape to pad.)
+    if isinstance(rows, int) and rows < MIN_INT8_ROWS:
+        xq = jnp.pad(xq, ((0, MIN_INT8_ROWS - rows), (0, 0)))
     acc = jax.lax.dot_general(
         xq, q.reshape(k, n), (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
-    )
+    )[:rows]
     y = acc.astype(jnp.float32) * row_scale * scale.reshape(1, n).astype(jnp.float32)
     return y.reshape(*batch, *out_shape)
 
