@@ -14,7 +14,8 @@ round, so machine load hits all variants alike), the median time of:
   sliced back (what ``ops.quantize.int8_matmul`` does: ``MIN_INT8_ROWS``).
 
 Each XLA_FLAGS setting runs in its own subprocess (XLA reads the flags once per process).
-Prints ratios vs f32 (>1: faster than float32) and writes bench/results/int8_matmul.json.
+Prints ratios vs f32 (>1: faster than float32) and writes bench/results/int8_matmul.json
+(``--out``), adding to a record of the same CPU.
 
     .venv/bin/python bench/int8_matmul.py               # default + oneDNN + XNNPACK dots
     .venv/bin/python bench/int8_matmul.py --settings default --rounds 3
@@ -116,6 +117,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS))
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / "int8_matmul.json",
+        help="JSON record; settings run separately accumulate in it when the CPU is the same",
+    )  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -147,10 +152,11 @@ def main() -> None:
         "settings": {n: SETTINGS[n] for n in args.settings},
         "results": results,
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "int8_matmul.json"
-    if path.exists():  # settings run separately accumulate in one file
-        old = json.loads(path.read_text())
+    path = args.out
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    same_cpu = all(old.get(k) == record[k] for k in ("cpu", "cpu_flags", "cores"))
+    if same_cpu:  # settings run separately accumulate in one file; another CPU's are replaced
         record["settings"] = {**old.get("settings", {}), **record["settings"]}
         record["results"] = {**old.get("results", {}), **record["results"]}
     path.write_text(json.dumps(record, indent=2) + "\n")

@@ -126,15 +126,16 @@ METHODS = {"greedy": 1, "beam4": 4}
 
 
 def cpu_flags() -> str:
-    """The CPU's vector extensions as lscpu reports them (figures differ between machines)."""
+    """The CPU's vector and matrix extensions (AVX, AMX) as lscpu reports them (figures differ
+    between machines)."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return platform.processor() or platform.machine()
     model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), "")
     flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if "Flags" in ln), [])
-    avx = sorted(f for f in flags if f.startswith("avx"))
-    return f"{model}; {os.cpu_count()} cores; " + (" ".join(avx) if avx else "no AVX")
+    vector = sorted(f for f in flags if f.startswith(("avx", "amx")))  # AMX: int8/bf16 tiles
+    return f"{model}; {os.cpu_count()} cores; " + (" ".join(vector) if vector else "no AVX")
 
 
 def batch_mesh(batch: int) -> jax.sharding.Mesh:
