@@ -4,12 +4,14 @@ saves the same step on both, and resuming ends bitwise where the uninterrupted r
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from jax.sharding import PartitionSpec
 
 from flaxformer_lite.core import sharding
 from flaxformer_lite.core.checkpoints import finished_steps
-from flaxformer_lite.training import run_lock
+from flaxformer_lite.training import run_lock, time_budget
 from flaxformer_lite.training.metrics import read_metrics
 
 from helpers.runs import (
@@ -342,6 +344,36 @@ def test_two_processes_refuse_together_on_a_workdir_a_live_run_holds(tmp_path):
         assert p.returncode == 1, out[-3000:]
         assert out.strip().splitlines()[-1].startswith(expected), out[-3000:]
         assert "Traceback" not in out, out[-3000:]
+
+
+def test_two_processes_on_different_clocks_follow_process_0s_time_budget(tmp_path):
+    """A time budget on 2 processes: each process times itself, but the step count decided
+    after the first evaluation, and a stop once the budget is spent, are process 0's. Process
+    1 runs on a clock five times as fast (tick clocks, helpers/tick_clock_main.py): on its own
+    it would decide a fifth of the steps and stop early, leaving process 0 in a collective."""
+    workdir = tmp_path / "budget"
+    clock = [sys.executable, str(ROOT / "tests" / "helpers" / "tick_clock_main.py")]
+    procs = start_two_processes(
+        workdir,
+        "--config.time_budget_minutes=1",
+        "--config.schedule=cosine",
+        "--config.warmup_steps=4",
+        "--config.eval_every=4",
+        prefixes={0: [*clock, "2.0"], 1: [*clock, "10.0"]},
+    )
+    outs = finish(procs, timeout=300)
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+    decision = json.loads((workdir / time_budget.FILE).read_text())
+    last = decision["stopped_at"] or decision["num_train_steps"]
+    print(decision)
+    assert decision["decided_at"] == 4 and last > 8, decision  # trained on after deciding
+    assert f"time budget 1 min: {decision['num_train_steps']} steps" in outs[0]
+    state, data = saved_state(workdir)
+    assert int(state["step"]) == last and data["train"] == {"index": last}
+    train_rows = [m["step"] for m in read_metrics(str(workdir)) if "train/smoothed_kl" in m]
+    assert train_rows and train_rows[-1] == last, train_rows
 
 
 def test_mesh_shape_resolution_and_errors():

@@ -17,21 +17,10 @@ from flaxformer_lite.training import preflight, time_budget
 from flaxformer_lite.training.metrics import read_metrics
 
 from helpers.runs import saved_state
+from helpers.tick_clock_main import TickClock
 from helpers.tiny_configs import ROOT, load_config
 
 EVAL_EVERY = 6  # the decision comes after this step's evaluation (== warmup_steps)
-
-
-class TickClock:
-    """A clock that advances ``tick`` seconds at every reading: the budget's arithmetic
-    sees the same numbers on every machine."""
-
-    def __init__(self, tick: float) -> None:
-        self.now, self.tick = 0.0, tick
-
-    def __call__(self) -> float:
-        self.now += self.tick
-        return self.now
 
 
 def tiny_config(**overrides):
