@@ -26,6 +26,7 @@ from flaxformer_lite.nn.layers import DecoderLayer, make_norm
 from flaxformer_lite.ops import beam_cache
 from flaxformer_lite.ops.kv_cache import ring_key_positions
 from flaxformer_lite.ops.masks import AttentionMask
+from flaxformer_lite.ops.precision import dot_general_in
 
 Array = jax.Array
 
@@ -259,6 +260,7 @@ class Decoder(nn.Module):
                 kernel_init=logical_init(nn.initializers.xavier_uniform(), ("embed", "vocab")),
                 dtype=cfg.compute_dtype,
                 param_dtype=cfg.parameter_dtype,
+                dot_general=dot_general_in,
                 name="logits",
             )(x)
         logits = logits.astype(jnp.float32)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.ops.precision import einsum_in
 from flaxformer_lite.ops.quantize import SCALE_SUFFIX, int8_matmul
 
 Array = jax.Array
@@ -53,10 +54,10 @@ def make_kernel(
 def kernel_matmul(
     subscripts: str, x: Array, kernel: Array, scale: Array | None, dtype: Dtype, in_axes: int = 1
 ) -> Array:
-    """``einsum(subscripts, x, kernel)`` in ``dtype``; with a ``scale`` (an int8 kernel) the
+    """``einsum_in(subscripts, x, kernel, dtype)``; with a ``scale`` (an int8 kernel) the
     int8 x int8 -> int32 matmul of ``quantize.int8_matmul`` instead."""
     if scale is None:
-        return jnp.einsum(subscripts, x.astype(dtype), kernel.astype(dtype))
+        return einsum_in(subscripts, x, kernel, dtype)
     return int8_matmul(x, kernel, scale, in_axes).astype(dtype)
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.core.logical_params import logical_init
 from flaxformer_lite.nn.dense import make_kernel
+from flaxformer_lite.ops.precision import accumulation_dtype, einsum_in
 from flaxformer_lite.ops.quantize import int8_matmul
 
 Array = jax.Array
@@ -75,7 +76,7 @@ def tied_logits(x: Array, table: Array) -> Array:
     only ``x`` (`[tokens, features]`) and the result (`[features, vocab]`) are transposed.
     An ``optimization_barrier`` keeps XLA from folding the transpose back into the dot.
     """
-    return jnp.einsum("...d,vd->...v", x, table)
+    return einsum_in("...d,vd->...v", x, table, x.dtype)
 
 
 def _tied_logits_fwd(x, table):
@@ -84,9 +85,10 @@ def _tied_logits_fwd(x, table):
 
 def _tied_logits_bwd(residuals, g):
     x, table = residuals
-    d_x = jnp.einsum("...v,vd->...d", g, table)
-    flat_x, flat_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    d_table_t = jax.lax.optimization_barrier(flat_x.T @ flat_g)  # [features, vocab]
+    d_x = einsum_in("...v,vd->...d", g, table, x.dtype)
+    flat_x, flat_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]).astype(x.dtype)
+    d_table_t = jnp.matmul(flat_x.T, flat_g, preferred_element_type=accumulation_dtype(x.dtype))
+    d_table_t = jax.lax.optimization_barrier(d_table_t)  # [features, vocab]
     return d_x, d_table_t.T.astype(table.dtype)
 
 

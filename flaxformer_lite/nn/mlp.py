@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flaxformer_lite.core.logical_params import logical_init
 from flaxformer_lite.nn.dense import Int8Dense
 from flaxformer_lite.ops.activations import ACTIVATIONS, GATED
+from flaxformer_lite.ops.precision import dot_general_in
 
 Array = jax.Array
 Dtype = Any
@@ -50,6 +51,7 @@ class MlpBlock(nn.Module):
                 bias_init=logical_init(_zeros, (names[1],)),
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
+                dot_general=dot_general_in,  # bfloat16: a float32 sum (dense.einsum_in)
                 name=name,
             )
 

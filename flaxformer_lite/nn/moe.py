@@ -281,6 +281,8 @@ class MoeBlock(nn.Module):
         kernel_init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", batch_axis=(0,))
         zeros = nn.initializers.zeros_init()
         h_in = dispatch(x.astype(self.dtype), expert, slot, e, slots)  # [g, e, c, d]
+        # Plain einsums here, not ops.precision.einsum_in: XLA's CPU fallback dot (DotThunk)
+        # has no bfloat16 x bfloat16 -> float32 for this expert-batched layout.
         wi = weights("wi", (e, d, self.d_ff), ("expert", "embed", "mlp"), kernel_init)
         h = jnp.einsum("gecd,edf->gecf", h_in, wi)
         if self.use_bias:
