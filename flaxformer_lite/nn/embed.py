@@ -86,7 +86,7 @@ def _tied_logits_fwd(x, table):
 def _tied_logits_bwd(residuals, g):
     x, table = residuals
     d_x = einsum_in("...v,vd->...d", g, table, x.dtype)
-    flat_x, flat_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]).astype(x.dtype)
+    flat_x, flat_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
     d_table_t = jnp.matmul(flat_x.T, flat_g, preferred_element_type=accumulation_dtype(x.dtype))
     d_table_t = jax.lax.optimization_barrier(d_table_t)  # [features, vocab]
     return d_x, d_table_t.T.astype(table.dtype)

@@ -51,7 +51,7 @@ class MlpBlock(nn.Module):
                 bias_init=logical_init(_zeros, (names[1],)),
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
-                dot_general=dot_general_in,  # bfloat16: a float32 sum (dense.einsum_in)
+                dot_general=dot_general_in,  # bfloat16: a float32 sum (ops.precision)
                 name=name,
             )
 
