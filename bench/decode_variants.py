@@ -1,20 +1,19 @@
-"""Two decoding layouts of the library switched on and off, in one process: the whole jitted
-search (``generate_jit``) at opus-mt size (``decode_breakdown``'s random model, float32 and its
-bfloat16 copy, 24 source tokens, 32 new tokens), compiled once per variant, timed in
-interleaved rounds (median), tokens compared with the variant switched off.
+"""A decoding layout of the library switched on and off, in one process: the whole jitted
+search (``generate_jit``) at opus-mt size (``decode_breakdown``'s random model with a random
+``logits_bias``, float32 and its bfloat16 copy, 24 source tokens, 32 new tokens), compiled once
+per setting, timed in interleaved rounds (median), tokens compared with the layout switched off.
 
-  fold_bias      float32: ``logits_bias`` folded into the tied logits' product from
-                 ``models.decoder.FOLD_BIAS_MIN_ROWS`` rows (32) against the bias added to the
-                 `[rows, vocab]` logits at every step (the threshold set out of reach)
   small_logits   bfloat16: the logits of up to ``nn.embed.SMALL_LOGITS_ROWS`` rows (8) table
                  first against ``x @ table.T`` (0 rows), for which XLA's CPU backend copies the
                  table transposed at every call
 
-The thresholds are module constants read when a program is traced; each variant clears JAX's
-caches before it compiles.
+The threshold is a module constant read when a program is traced; each setting clears JAX's
+caches before it compiles. (A second variant, ``fold_bias``, measured folding ``logits_bias``
+into the float32 tied product at commit 520b545: 0.98-1.01x on an idle machine, not kept;
+docs/benchmarks.md.)
 
-    .venv/bin/python bench/decode_variants.py                       # both, 4 shapes
-    .venv/bin/python bench/decode_variants.py --variants fold_bias --shapes 32x4 32x1
+    .venv/bin/python bench/decode_variants.py                       # 4 shapes
+    .venv/bin/python bench/decode_variants.py --shapes 1x1 32x4 --rounds 3
 """
 
 from __future__ import annotations
@@ -35,14 +34,13 @@ from translate_speed import cpu_flags
 from flaxformer_lite.core import sharding
 from flaxformer_lite.decoding.generate import generate_jit, place_params
 from flaxformer_lite.inference.translator import with_dtype
-from flaxformer_lite.models import EncoderDecoder, decoder
+from flaxformer_lite.models import EncoderDecoder
 from flaxformer_lite.nn import embed
 from flaxformer_lite.nn.config import TransformerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # variant: (dtype, module, constant, value when on, value when off)
 VARIANTS = {
-    "fold_bias": ("float32", decoder, "FOLD_BIAS_MIN_ROWS", decoder.FOLD_BIAS_MIN_ROWS, 10**9),
     "small_logits": ("bfloat16", embed, "SMALL_LOGITS_ROWS", embed.SMALL_LOGITS_ROWS, 0),
 }
 

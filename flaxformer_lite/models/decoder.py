@@ -8,7 +8,6 @@ caches hold) and, for beam search in place, ``beam_ancestors`` (``ops.beam_cache
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -32,13 +31,6 @@ from flaxformer_lite.ops.precision import dot_general_in
 Array = jax.Array
 
 BEAM_ANCESTORS = "beam_ancestors"  # the Decoder's cache entry for beam search in place
-# Decoding this many rows or more (beams x sentences), a float32 model's ``logits_bias`` is
-# folded into the tied logits' product (``Decoder._logits``). Its one cost, the table with the
-# bias as a last column, is made once per decoding call (XLA hoists it out of the loop); the
-# separate bias add it replaces reads and writes the `[rows, vocab]` logits at every step.
-# Opus-mt size, 32 new tokens, tokens unchanged: beam 4 at batch 32 1.11x, greedy at batch 32
-# 1.07x, beam 4 at batch 4 (16 rows) 0.94x (one run each on a loaded machine; docs/benchmarks.md).
-FOLD_BIAS_MIN_ROWS = 32
 
 
 class Decoder(nn.Module):
@@ -197,7 +189,7 @@ class Decoder(nn.Module):
         )  # fmt: skip
         if cfg.norm_position == "pre":
             x = make_norm(cfg, "final_norm")(x)
-        return self._logits(x, decode=decode)
+        return self._logits(x)
 
     def _decode_positions(self, decoder_inputs: Array) -> tuple[bool, Array, Array]:
         """decode=True: the new tokens' absolute positions int `[b, t]`, from the cache's
@@ -249,39 +241,16 @@ class Decoder(nn.Module):
             key_at = jnp.arange(length)[None]
         return relative_bias(self.config, bidirectional=False)(query_at, key_at)
 
-    def _logits(self, x: Array, decode: bool = False) -> Array:
+    def _logits(self, x: Array) -> Array:
         """`[b, t, d_model]` -> float32 logits `[b, t, vocab]`: the embedding transposed
         (``tie_output_embedding``) or a kernel ``logits`` (int8 when quantized), plus
         ``logits_bias`` `[vocab]` when configured; the input first scaled by d_model**-0.5
-        with ``scale_decoder_output`` (T5 v1.0).
-
-        Decoding ``decode=True`` at least ``FOLD_BIAS_MIN_ROWS`` rows of a float32 model with
-        tied embeddings, the bias is a last column of the table times a column of ones in
-        ``x`` (``Embed.attend``'s ``bias``): the product's own last term instead of a pass
-        over the `[rows, vocab]` logits."""
+        with ``scale_decoder_output`` (T5 v1.0)."""
         cfg = self.config
         if cfg.scale_decoder_output:  # T5 v1.0: the tied table's logits are rescaled
             x = x * jnp.asarray(cfg.d_model**-0.5, x.dtype)
-        bias = None
-        if cfg.logits_bias:
-            bias = self.param(
-                "logits_bias",
-                logical_init(nn.initializers.zeros_init(), ("vocab",)),
-                (cfg.output_vocab_size,),
-                cfg.parameter_dtype,
-            )
         if cfg.tie_output_embedding:
-            rows = math.prod(x.shape[:-1])
-            fold = (
-                bias is not None
-                and decode
-                and isinstance(rows, int)
-                and rows >= FOLD_BIAS_MIN_ROWS
-                and jnp.dtype(cfg.compute_dtype) == jnp.float32
-                and cfg.quantization is None
-            )
-            logits = self.embedding.attend(x, bias if fold else None)
-            bias = None if fold else bias
+            logits = self.embedding.attend(x)
         elif cfg.quantization is not None:
             logits = Int8Dense(cfg.output_vocab_size, ("embed", "vocab"), False, name="logits")(x)
         else:
@@ -295,7 +264,13 @@ class Decoder(nn.Module):
                 name="logits",
             )(x)
         logits = logits.astype(jnp.float32)
-        if bias is not None:
+        if cfg.logits_bias:
+            bias = self.param(
+                "logits_bias",
+                logical_init(nn.initializers.zeros_init(), ("vocab",)),
+                (cfg.output_vocab_size,),
+                cfg.parameter_dtype,
+            )
             logits = logits + jnp.asarray(bias, jnp.float32)
         return logits
 

@@ -76,21 +76,12 @@ class Embed(nn.Module):
         x = jnp.take(table, tokens, axis=0)
         return x * jnp.asarray(self.features**0.5, self.dtype) if self.scale else x
 
-    def attend(self, x: Array, bias: Array | None = None) -> Array:
-        """`[batch, length, features]` -> logits `[batch, length, vocab]` (x times table^T).
-
-        ``bias`` `[vocab]` (not with ``int8_attend``): added inside the product, as the table's
-        last column times a column of ones appended to ``x`` (the product's last term)."""
+    def attend(self, x: Array) -> Array:
+        """`[batch, length, features]` -> logits `[batch, length, vocab]` (x times table^T)."""
         if self.int8_attend:
-            if bias is not None:
-                raise ValueError("bias: not with int8_attend (add it to the logits instead)")
             return int8_matmul(x, self.attend_kernel, self.attend_scale).astype(self.dtype)
         table = jnp.asarray(self.embedding, self.dtype)
-        x = x.astype(self.dtype)
-        if bias is not None:
-            x = jnp.concatenate([x, jnp.ones((*x.shape[:-1], 1), x.dtype)], axis=-1)
-            table = jnp.concatenate([table, jnp.asarray(bias, self.dtype)[:, None]], axis=1)
-        return tied_logits(x, table)
+        return tied_logits(x.astype(self.dtype), table)
 
 
 @jax.custom_vjp
