@@ -50,7 +50,7 @@ SENTENCES = [" ".join(EN[:3]), " ".join(EN[3:8]), "the dog", "a red house", "old
 
 @pytest.fixture(scope="module")
 def bart_run(tmp_path_factory):
-    """(train config, the BART folder, the workdir) of a 30-step fine-tune."""
+    """(train config, the BART folder, the workdir, train.py's log) of a STEPS-step fine-tune."""
     root = tmp_path_factory.mktemp("finetune_bart")
     data = root / "data"
     write_data(data, generated_pairs(400, 0), generated_pairs(40, 1))
