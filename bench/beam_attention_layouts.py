@@ -1,21 +1,27 @@
 """Beam search's in-place attention (``ops.beam_cache.attend_beams``) in other operand layouts,
 measured on the whole jitted beam search, interleaved in one process (issue 26).
 
-``bench/profile_ops.py`` shows XLA copying the self-attention cache around ``attend_beams``'s
-dots at every layer and step (the keys and values rearranged for the dots). The variants here
-remove those copies by reading the cache in the order it is stored (``kv_cache.heads_first``:
-`[rows, kv_heads, slots, head_dim]`); each is swapped into ``beam_cache`` while
+``bench/profile_ops.py`` showed XLA copying the self-attention cache around ``attend_beams``'s
+dots at every layer and step (the keys and values rearranged for the dots; 18% of the beam
+step at batch 32). The variants read the cache stored heads first (``kv_cache.heads_first``:
+`[rows, kv_heads, slots, head_dim]`) in other ways; each is swapped into ``beam_cache`` while
 ``generate_jit`` is traced, in this process only:
 
-  library    ``attend_beams`` as it is: the cache's rows split into (batch, key beam), the
-             logits `[batch, kv_heads, groups, queries, beam, slots]`
+  library    ``attend_beams`` as it is: no split of the cache's rows, each source's queries
+             repeated for its ``beam`` cache rows, both dots batched over (row, kv_head), their
+             outputs in dot_general's own order; the softmax over a source's (beam, slot) keys
+  by_beam    the library before: the rows split into (batch, key beam), the key beam a batch
+             dimension of both dots, the logits `[batch, kv_heads, groups, queries, beam,
+             slots]` (XLA copies the keys and values of every layer at every step)
   split      the same split of the rows, taken from the heads-first view, and the key beam
-             second in the logits, so that both dots read the cache without a copy
-  per_row    no split of the cache at all: each source's queries repeated for its ``beam``
-             cache rows, both dots batched over (row, kv_head), the softmax over a source's
-             (beam, slot) keys
+             second in the logits (XLA duplicates the cache write and copies the cache)
+  per_row    the library's dots with the outputs in the callers' order (XLA's slow loop dot
+             for the values)
+  reduce     no dots: both products as broadcast multiplies and sums
+  reduce_logits  the logits as a multiply and a sum, the values by ``split``'s dot
 
     .venv/bin/python bench/beam_attention_layouts.py --rounds 5
+    .venv/bin/python bench/beam_attention_layouts.py --variants library by_beam --rounds 5
 
 At opus-mt size (d_model 512, 6+6 layers, vocabulary 58,101, random weights), beam 4, batch
 32, 24 source tokens, 32 new tokens. Prints new tokens per second per variant and the ratio
@@ -101,10 +107,73 @@ def attend_per_row(query, key, value, mask, bias, beam, scale=None):
     return out.reshape(batch, beam, joint_q, heads, head_dim).sum(axis=1)
 
 
+def _reduce_logits(query, key, beam, scale):
+    """logits `[batch, beam, kv_heads, groups, queries, slots]` as a product and a sum over
+    head_dim, no dot: XLA fuses both and reads the cache where it lies."""
+    batch, joint_q, heads, head_dim = query.shape
+    rows, slots, kv_heads, _ = key.shape
+    q = _queries(query, 1, kv_heads, scale)  # [batch, 1, q, kv_heads, groups, d]
+    q = jnp.transpose(q, (0, 1, 3, 4, 2, 5))[:, :, :, :, :, None, :]  # [b, 1, h, g, q, 1, d]
+    k = jnp.swapaxes(key, 1, 2).reshape(batch, beam, kv_heads, 1, 1, slots, head_dim)
+    return jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32), axis=-1)
+
+
+def attend_reduce(query, key, value, mask, bias, beam, scale=None):
+    batch, joint_q, heads, head_dim = query.shape
+    rows, slots, kv_heads, _ = key.shape
+    logits = _reduce_logits(query, key, beam, scale)
+    weights = _softmax(logits, mask, bias, kv_heads, beam, slots, value.dtype)
+    v = jnp.swapaxes(value, 1, 2).reshape(batch, beam, kv_heads, 1, 1, slots, head_dim)
+    out = jnp.sum(weights[..., None] * v, axis=(1, 5))  # [batch, kv_heads, groups, q, d]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, joint_q, heads, head_dim)
+
+
+def attend_reduce_logits(query, key, value, mask, bias, beam, scale=None):
+    batch, joint_q, heads, head_dim = query.shape
+    rows, slots, kv_heads, _ = key.shape
+    logits = _reduce_logits(query, key, beam, scale)
+    weights = _softmax(logits, mask, bias, kv_heads, beam, slots, value.dtype)
+    v = jnp.swapaxes(value, 1, 2).reshape(batch, beam, kv_heads, slots, head_dim)
+    out = jnp.einsum("bjhgqk,bjhkd->bjqhgd", weights, v).sum(axis=1)
+    return out.reshape(batch, joint_q, heads, head_dim)
+
+
+def attend_by_beam(query, key, value, mask, bias, beam, scale=None):
+    """``attend_beams`` before issue 26's last change: the cache's rows split into (batch, key
+    beam), the key beam a batch dimension of both dots next to (batch, kv_head), the logits
+    `[batch, kv_heads, groups, queries, beam, slots]`."""
+    batch, joint_q, heads, head_dim = query.shape
+    rows, slots, kv_heads, _ = key.shape
+    groups = heads // kv_heads
+    scale = jnp.asarray(head_dim**-0.5 if scale is None else scale, query.dtype)
+    q = (query * scale).reshape(batch, 1, joint_q, kv_heads, groups, head_dim)
+    q = jnp.broadcast_to(q, (batch, beam, joint_q, kv_heads, groups, head_dim))
+    k = key.reshape(batch, beam, slots, kv_heads, head_dim)
+    v = value.reshape(batch, beam, slots, kv_heads, head_dim)
+    logits = jnp.einsum("bjqhgd,bjkhd->bhgqjk", q, k, preferred_element_type=jnp.float32)
+
+    def by_heads(x):  # [batch|1, heads|1, q, beam * slots] -> [batch|1, kv|1, g|1, q, beam, slots]
+        lead, h = x.shape[:2]
+        return x.reshape(lead, min(h, kv_heads), h // min(h, kv_heads), joint_q, beam, slots)
+
+    if bias is not None:
+        logits = logits + by_heads(bias).astype(jnp.float32)
+    allowed = by_heads(mask)
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+    shape = logits.shape
+    weights = jax.nn.softmax(logits.reshape(shape[:4] + (beam * slots,)), axis=-1)
+    weights = jnp.where(allowed, weights.reshape(shape), 0.0).astype(value.dtype)
+    out = jnp.einsum("bhgqjk,bjkhd->bjqhgd", weights, v).sum(axis=1)
+    return out.reshape(batch, joint_q, heads, head_dim)
+
+
 VARIANTS = {
     "library": beam_cache.attend_beams,
+    "by_beam": attend_by_beam,
     "split": attend_split,
     "per_row": attend_per_row,
+    "reduce": attend_reduce,
+    "reduce_logits": attend_reduce_logits,
 }
 
 
@@ -113,6 +182,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument(
         "--out", default=str(decode_breakdown.RESULTS / "beam_attention_layouts.json")
     )
@@ -131,7 +201,8 @@ def main() -> None:
     compiled = {}
     library = beam_cache.attend_beams
     try:
-        for name, fn in VARIANTS.items():
+        for name in ["library"] + [v for v in args.variants if v != "library"]:
+            fn = VARIANTS[name]
             beam_cache.attend_beams = fn
             jax.clear_caches()  # trace anew with this variant
             compiled[name] = generate_jit.lower(

@@ -30,6 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.ops.kv_cache import heads_first
+
 Array = jax.Array
 
 
@@ -106,13 +108,15 @@ def group_bias(bias: Array, rows, beam: int, q_len: int, slots: int) -> Array:
     return x.reshape(x.shape[:2] + (beam * q_len, beam * slots))
 
 
-def _by_kv_heads(x: Array, kv_heads: int, beam: int, slots: int) -> Array:
+def _beam_major(x: Array, kv_heads: int, beam: int, slots: int) -> Array:
     """A grouped mask or bias `[batch|1, heads|1, beam * q_len, beam * slots]` as
-    `[batch|1, kv_heads|1, groups|1, beam * q_len, beam, slots]`."""
+    `[batch|1, beam, kv_heads|1, groups|1, beam * q_len, slots]` (the key beam second)."""
     lead, heads, joint_q = x.shape[0], x.shape[1], x.shape[2]
     if heads == 1:
-        return x.reshape(lead, 1, 1, joint_q, beam, slots)
-    return x.reshape(lead, kv_heads, heads // kv_heads, joint_q, beam, slots)
+        x = x.reshape(lead, 1, 1, joint_q, beam, slots)
+    else:
+        x = x.reshape(lead, kv_heads, heads // kv_heads, joint_q, beam, slots)
+    return jnp.moveaxis(x, 4, 1)
 
 
 def attend_beams(
@@ -126,12 +130,17 @@ def attend_beams(
 ) -> Array:
     """Grouped attention of a beam step without moving the cache: equals
     ``dot_product_attention(query, group_keys(key, beam), group_keys(value, beam), mask, bias)``
-    (the reference path, no dropout), computed per key beam.
+    (the reference path, no dropout), computed per cache row.
 
     ``group_keys`` would put every source's ``beam * slots`` keys on one axis, which XLA
-    materialises as a copy of the whole cache per layer and step. Here each key beam ``j``
-    stays a batch dimension of both dots (queries are broadcast over it, they are few), the
-    softmax runs over the joint ``(j, slot)`` axis, and the per-beam outputs are summed.
+    materialises as a copy of the whole cache per layer and step. Here nothing of the cache
+    moves: each cache row (a key beam ``j`` of source ``b``) meets the queries of every beam
+    of its source (copied per row; they are few), both dots batch over (row, kv_head), the
+    order the cache is stored in (``kv_cache.heads_first``), and their outputs come in
+    ``dot_general``'s own order (batch, lhs free, rhs free): any other order, or the rows
+    split into (batch, beam) as dot batch dimensions, had XLA's CPU backend copy each
+    layer's keys and values every step (bench/beam_attention_layouts.py). The softmax runs
+    over a source's joint ``(j, slot)`` axis and the per-row outputs are summed over ``j``.
 
     query `[batch, beam * q_len, heads, head_dim]` (``group_queries``); key, value
     `[batch * beam, slots, kv_heads, head_dim]`; mask bool `[batch, heads|1, beam * q_len,
@@ -146,16 +155,18 @@ def attend_beams(
     scale = jnp.asarray(head_dim**-0.5 if scale is None else scale, query.dtype)
     q = (query * scale).reshape(batch, 1, joint_q, kv_heads, groups, head_dim)
     q = jnp.broadcast_to(q, (batch, beam, joint_q, kv_heads, groups, head_dim))
-    k = key.reshape(batch, beam, slots, kv_heads, head_dim)
-    v = value.reshape(batch, beam, slots, kv_heads, head_dim)
-    logits = jnp.einsum("bjqhgd,bjkhd->bhgqjk", q, k, preferred_element_type=jnp.float32)
+    q = jnp.transpose(q.reshape(rows, joint_q, kv_heads, groups, head_dim), (0, 2, 3, 1, 4))
+    k, v = heads_first(key), heads_first(value)  # [rows, kv_heads, slots, head_dim]: as stored
+    logits = jnp.einsum("rhgqd,rhkd->rhgqk", q, k, preferred_element_type=jnp.float32)
+    logits = logits.reshape(batch, beam, kv_heads, groups, joint_q, slots)
     if bias is not None:
-        logits = logits + _by_kv_heads(bias, kv_heads, beam, slots).astype(jnp.float32)
-    allowed = _by_kv_heads(mask, kv_heads, beam, slots)
+        logits = logits + _beam_major(bias, kv_heads, beam, slots).astype(jnp.float32)
+    allowed = _beam_major(mask, kv_heads, beam, slots)
     logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
-    shape = logits.shape
-    weights = jax.nn.softmax(logits.reshape(shape[:4] + (beam * slots,)), axis=-1)
+    weights = jax.nn.softmax(logits, axis=(1, 5))
     # A query with nothing allowed gets zeros, as dot_product_attention gives it.
-    weights = jnp.where(allowed, weights.reshape(shape), 0.0).astype(value.dtype)
-    out = jnp.einsum("bhgqjk,bjkhd->bjqhgd", weights, v).sum(axis=1)
-    return out.reshape(batch, joint_q, heads, head_dim)
+    weights = jnp.where(allowed, weights, 0.0).astype(value.dtype)
+    weights = weights.reshape(rows, kv_heads, groups, joint_q, slots)
+    out = jnp.einsum("rhgqk,rhkd->rhgqd", weights, v)
+    out = out.reshape(batch, beam, kv_heads, groups, joint_q, head_dim).sum(axis=1)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, joint_q, heads, head_dim)
