@@ -9,6 +9,8 @@
   numpy_reference        an independent float64 NumPy forward pass of the three models
   exact_match_reference  an independent greedy decoding and exact-match score of a run
   layout_reference       parameter trees flattened and re-laid out (unrolled <-> scanned) by NumPy
+  hlo                    the instructions of a compiled XLA program that run on their own
+                         (checks that a program holds no copy of a large array)
   tensorboard            the scalars of TensorBoard event files (local or gs://)
   sharded_decode         a script: decoding on 8 simulated devices (test_generate)
   multihost_worker       a script: one process of the multi-host input tests (test_multihost_data)

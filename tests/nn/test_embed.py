@@ -5,8 +5,6 @@ call: a transposed copy for the logits, a float32 copy for the token lookup)."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,6 +15,8 @@ from flaxformer_lite import EncoderDecoder, TransformerConfig
 from flaxformer_lite.core import sharding
 from flaxformer_lite.decoding.generate import generate_jit
 from flaxformer_lite.nn.embed import SMALL_LOGITS_ROWS, tied_logits
+
+from helpers import hlo as hlo_text
 
 BF16 = ml_dtypes.bfloat16
 
@@ -45,29 +45,11 @@ def test_float32_logits_are_exactly_the_einsum():
     np.testing.assert_array_equal(jax.jit(tied_logits)(x, table), expected)
 
 
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
-COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) ")
-CALLS = re.compile(r"calls=%([\w.-]+)")
-NOT_A_COPY = {"parameter", "get-tuple-element", "bitcast", "tuple"}
-
-
 def table_sized(hlo: str, vocab: int, features: int) -> list[tuple[str, str]]:
-    """(opcode, line) of each instruction of an optimized HLO module, outside fusion bodies
-    (whose elementwise ops compute only what their fusion's output reads), whose output has
-    the table's two sizes in either order."""
-    fused = set(CALLS.findall(hlo))
-    found, computation = [], None
-    for line in hlo.splitlines():
-        header = COMPUTATION.match(line)
-        if header:
-            computation = header.group(1)
-            continue
-        m = INSTRUCTION.match(line)
-        if m and computation not in fused:
-            dims = sorted(int(d) for d in m.group(2).split(",") if d)
-            if dims == sorted((vocab, features)):
-                found.append((m.group(3), line.strip()[:160]))
-    return found
+    """(opcode, line) of each instruction of an optimized HLO module, outside fusion bodies,
+    whose output has the table's two sizes in either order."""
+    want = sorted((vocab, features))
+    return [(i.opcode, i.line) for i in hlo_text.unfused(hlo) if sorted(i.dims) == want]
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA's CPU backend's layouts")
@@ -92,5 +74,5 @@ def test_bfloat16_decoding_never_copies_the_table(method, beam_size):
     ).compile()
     found = table_sized(compiled.as_text(), vocab, features)
     assert "parameter" in {op for op, _ in found}  # the table itself is seen
-    copies = [line for op, line in found if op not in NOT_A_COPY]
+    copies = [line for op, line in found if op not in hlo_text.NOT_A_COPY]
     assert copies == [], copies

@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+from flaxformer_lite.core import sharding
 from flaxformer_lite.decoding import generate as gen
 from flaxformer_lite.decoding.beam import beam_search
 from flaxformer_lite.models import BEAM_ANCESTORS, DecoderOnly, EncoderDecoder, reorder_beam_cache
 from flaxformer_lite.nn.config import TransformerConfig
 from flaxformer_lite.ops import attention, beam_cache
 
+from helpers import hlo as hlo_text
 from helpers.random_weights import random_params
 
 BASE = dict(
@@ -281,3 +283,32 @@ def test_attend_beams_takes_the_logits_scale():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     default = attention.dot_product_attention(grouped, keys, values, mask)
     assert np.abs(np.asarray(default) - np.asarray(want)).max() > 1e-3
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA's CPU backend's layouts")
+def test_the_beam_search_loop_writes_the_cache_and_copies_none_of_it():
+    """The compiled in-place beam search (the ``generate_jit`` program) touches each layer's
+    self-attention keys and values once per step, with the in-place write of the step's
+    entries: no other instruction of the loop body (outside fusion bodies) outputs an array of
+    the cache's size. With the rows split into (batch, key beam) as batch dimensions of the
+    attention dots, XLA's CPU backend copied every layer's keys and values at every step (a
+    transpose for the dots: 18% of the beam step at opus-mt size, bench/profile_ops.py)."""
+    config, params = encoder_decoder("mha")
+    batch, beam, slots = 3, 3, 7  # cache [9 rows, 4 heads, 7 slots, 8]: 2,016 elements
+    cache_size = batch * beam * config.num_heads * slots * (config.d_model // config.num_heads)
+    mesh = sharding.make_mesh((-1, 1, 1), jax.devices()[:1])
+    program = gen.generate_jit.lower(
+        params, config, padded(SOURCES[:batch]), mesh=mesh, method="beam", max_len=slots,
+        beam_size=beam, alpha=0.0, beam_cache="in_place",
+    ).compile().as_text()  # fmt: skip
+    bodies = hlo_text.loop_bodies(program)
+    in_loop = [
+        i
+        for i in hlo_text.unfused(program)
+        if i.computation in bodies
+        and int(np.prod(i.dims)) == cache_size
+        and i.opcode not in hlo_text.NOT_A_COPY
+    ]
+    writes = [i for i in in_loop if "dynamic-update-slice" in i.name]
+    assert len(writes) == 2 * config.num_decoder_layers, in_loop  # keys and values per layer
+    assert [i.line for i in in_loop if i not in writes] == []
