@@ -54,15 +54,6 @@ from flaxformer_lite.models import EncoderDecoder  # noqa: E402
 from flaxformer_lite.ops import beam_cache  # noqa: E402
 
 
-def _beam_major(x, kv_heads: int, beam: int, slots: int):
-    """A grouped mask or bias `[batch|1, heads|1, beam * q_len, beam * slots]` as
-    `[batch|1, beam, kv_heads|1, groups|1, beam * q_len, slots]`."""
-    lead, heads, joint_q = x.shape[0], x.shape[1], x.shape[2]
-    groups = 1 if heads == 1 else heads // kv_heads
-    x = x.reshape(lead, min(heads, kv_heads), groups, joint_q, beam, slots)
-    return jnp.moveaxis(x, 4, 1)
-
-
 def _queries(query, beam: int, kv_heads: int, scale):
     batch, joint_q, heads, head_dim = query.shape
     scale = jnp.asarray(head_dim**-0.5 if scale is None else scale, query.dtype)
@@ -74,8 +65,8 @@ def _softmax(logits, mask, bias, kv_heads, beam, slots, dtype):
     """Softmax over a source's (beam, slot) keys of logits `[batch, beam, kv_heads, groups,
     queries, slots]`; zeros where nothing is allowed, as ``dot_product_attention``."""
     if bias is not None:
-        logits = logits + _beam_major(bias, kv_heads, beam, slots).astype(jnp.float32)
-    allowed = _beam_major(mask, kv_heads, beam, slots)
+        logits = logits + beam_cache._beam_major(bias, kv_heads, beam, slots).astype(jnp.float32)
+    allowed = beam_cache._beam_major(mask, kv_heads, beam, slots)
     logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=(1, 5))
     return jnp.where(allowed, weights, 0.0).astype(dtype)
