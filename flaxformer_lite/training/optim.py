@@ -68,16 +68,31 @@ def make_optimizer(
     weight_decay: float = 0.0,
     grad_clip_norm: float | None = None,
 ) -> optax.GradientTransformation:
-    """Adam with the paper's betas and epsilon (or AdamW), after optional global-norm clipping."""
+    """Adam with the paper's betas and epsilon (or AdamW), after optional global-norm clipping.
+
+    AdamW decays the weight matrices and embeddings only (``decayed``): a bias or a norm's
+    scale pulled towards zero is a constraint, not a regularizer."""
     if name == "adam":
         opt: Any = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
     elif name == "adamw":
-        opt = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+        opt = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decayed)
     else:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {name!r}")
     if grad_clip_norm:
         opt = optax.chain(optax.clip_by_global_norm(grad_clip_norm), opt)
     return opt
+
+
+def decayed(params: Any) -> Any:
+    """The tree of ``params`` with False for the parameters weight decay leaves alone: biases
+    (names ending in ``bias``) and norm scales (``scale``), else True. By name, not by rank:
+    a scanned layer stack gives its biases a leading layer axis."""
+
+    def decay(path, _):
+        name = param_path(path).rsplit("/", 1)[-1]
+        return not (name.endswith("bias") or name == "scale")
+
+    return jax.tree_util.tree_map_with_path(decay, params)
 
 
 # ----------------------------------------------------------------------------- freezing

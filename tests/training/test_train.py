@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,6 +191,39 @@ def test_noam_schedule_matches_the_paper_formula():
         optim.make_schedule("linear", learning_rate=1.0, warmup_steps=1, total_steps=2, d_model=8)
     with pytest.raises(ValueError, match="optimizer"):
         optim.make_optimizer("sgd", schedule)
+
+
+def test_adamw_decays_matrices_and_embeddings_not_biases_or_norm_scales():
+    from flaxformer_lite import EncoderDecoder, TransformerConfig
+    from flaxformer_lite.models import param_path
+
+    # A scanned stack: its biases and norm scales carry a leading layer axis (rank 2, as a
+    # kernel of one layer), so only their names can tell them apart.
+    cfg = TransformerConfig(
+        vocab_size=16, d_model=8, num_heads=2, d_ff=16, num_encoder_layers=2,
+        num_decoder_layers=2, max_len=8, scan_layers=True,
+    )  # fmt: skip
+    tokens = jnp.ones((1, 3), jnp.int32)
+    params = EncoderDecoder(cfg).init(jax.random.key(0), tokens, tokens)["params"]
+    params = jax.tree.map(lambda p: p + 1.0, params)  # no zero bias: each leaf can decay
+    lr, wd = 0.5, 0.1
+    tx = optim.make_optimizer("adamw", optax.constant_schedule(lr), weight_decay=wd)
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zero_grads, tx.init(params), params)
+    kept, decayed = [], []
+    for (path, p), u in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(updates), strict=True
+    ):
+        name = param_path(path)
+        if name.endswith("bias") or name.endswith("/scale"):
+            np.testing.assert_array_equal(u, 0.0, err_msg=name)
+            kept.append((name, p.ndim))
+        else:  # decoupled decay with zero gradients: p <- p - lr * wd * p
+            np.testing.assert_allclose(u, -lr * wd * p, rtol=1e-6, err_msg=name)
+            decayed.append(name)
+    assert any(n.endswith("/scale") for n, _ in kept)
+    assert any(n.endswith("bias") and ndim == 2 for n, ndim in kept)  # a stacked bias
+    assert any(n.endswith("embedding") for n in decayed) and any("kernel" in n for n in decayed)
 
 
 def test_label_smoothed_loss_against_hand_computed_value():
