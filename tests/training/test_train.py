@@ -203,13 +203,18 @@ def test_adamw_decays_matrices_and_embeddings_not_biases_or_norm_scales():
         vocab_size=16, d_model=8, num_heads=2, d_ff=16, num_encoder_layers=2,
         num_decoder_layers=2, max_len=8, scan_layers=True,
     )  # fmt: skip
-    tokens = jnp.ones((1, 3), jnp.int32)
-    params = EncoderDecoder(cfg).init(jax.random.key(0), tokens, tokens)["params"]
-    params = jax.tree.map(lambda p: p + 1.0, params)  # no zero bias: each leaf can decay
     lr, wd = 0.5, 0.1
     tx = optim.make_optimizer("adamw", optax.constant_schedule(lr), weight_decay=wd)
-    zero_grads = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = tx.update(zero_grads, tx.init(params), params)
+
+    @jax.jit  # one program, not an eager op per leaf
+    def params_and_updates():
+        tokens = jnp.ones((1, 3), jnp.int32)
+        params = EncoderDecoder(cfg).init(jax.random.key(0), tokens, tokens)["params"]
+        params = jax.tree.map(lambda p: p + 1.0, params)  # no zero bias: each leaf can decay
+        zero_grads = jax.tree.map(jnp.zeros_like, params)
+        return params, tx.update(zero_grads, tx.init(params), params)[0]
+
+    params, updates = jax.device_get(params_and_updates())  # numpy: no eager op below
     kept, decayed = [], []
     for (path, p), u in zip(
         jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(updates), strict=True
