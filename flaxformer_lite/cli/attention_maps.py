@@ -153,8 +153,11 @@ def classifier_pooling(workdir: str, text: str, *, step: int | None = None) -> d
     )
     checkpoints = str(root / "checkpoints")
     params = average_params(checkpoints, choose_steps(checkpoints, step=step), expected)
-    logits, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
-    probabilities = np.asarray(jax.nn.softmax(logits[0]))
+    # One compiled program: applied eagerly, every op of the model compiles on its own.
+    apply = jax.jit(lambda p, t: model.apply({"params": p}, t, mutable=["intermediates"]))
+    logits, state = apply(params, tokens)
+    scores = np.asarray(logits[0], np.float64)
+    probabilities = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
     return {
         "pieces": vocab.id_to_piece(ids),
         "weights": np.asarray(state["intermediates"]["pooling_weights"][0][0]),
