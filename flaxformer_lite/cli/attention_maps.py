@@ -156,8 +156,8 @@ def classifier_pooling(workdir: str, text: str, *, step: int | None = None) -> d
     # One compiled program: applied eagerly, every op of the model compiles on its own.
     apply = jax.jit(lambda p, t: model.apply({"params": p}, t, mutable=["intermediates"]))
     logits, state = apply(params, tokens)
-    scores = np.asarray(logits[0], np.float64)
-    probabilities = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
+    exp = np.exp(np.asarray(logits[0], np.float64) - float(np.max(logits[0])))
+    probabilities = exp / exp.sum()
     return {
         "pieces": vocab.id_to_piece(ids),
         "weights": np.asarray(state["intermediates"]["pooling_weights"][0][0]),
