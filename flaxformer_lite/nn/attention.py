@@ -62,8 +62,9 @@ class MultiHeadAttention(nn.Module):
     slots ``positions_q[0]`` and attends causally to everything cached. One token per step or
     a whole prompt at once: a step projects only its new positions and reads the fixed-size
     cache under a mask (fixed shapes keep one compiled step), instead of re-running the whole
-    prefix. Writing past ``max_len`` raises (see ``kv_cache.check_cache_room``) instead of
-    overwriting the last slot.
+    prefix; without dropout or collected weights only the cache's prefix that holds the
+    written slots is read (``kv_cache.over_written_prefix``). Writing past ``max_len`` raises
+    (see ``kv_cache.check_cache_room``) instead of overwriting the last slot.
 
     ``window`` (restricted self-attention, causal: position p sees p - window .. p) applies to
     decoding only (without a cache the window comes in the ``AttentionMask``). When the cache
@@ -166,7 +167,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("decode=True self-attention needs positions_q `[batch, q_len]`")
             rotary_positions = positions_q - left_padding[:, None].astype(positions_q.dtype)
             query, key, value = self._self_attention_qkv(inputs_q, rotary_positions, None)
-            key, value, mask = self._self_attention_cache(
+            key, value, mask, written = self._self_attention_cache(
                 key, value, mask, positions_q, check_cache, left_padding
             )
         elif self_attention:
@@ -175,9 +176,11 @@ class MultiHeadAttention(nn.Module):
             query = self._rotate(self._project(inputs_q, self.num_heads, "query"), positions_q)
             key, value = self._cross_attention_kv(inputs_kv, positions_kv, decode=decode)
         if decode and self_attention and left_padding is None:
-            key, value, mask = self._self_attention_cache(
+            key, value, mask, written = self._self_attention_cache(
                 key, value, mask, positions_q, check_cache
             )
+        elif left_padding is None:
+            written = None
 
         dropout_rng = None
         if self.dropout_rate > 0.0 and not deterministic:
@@ -189,10 +192,10 @@ class MultiHeadAttention(nn.Module):
         elif decode and beam_size > 1 and beam_ancestors is not None:
             out = self._attend_beams_in_place(
                 query, key, value, mask, bias, dropout_rng, deterministic, beam_size,
-                beam_ancestors,
+                beam_ancestors, written,
             )  # fmt: skip
         else:
-            out = self._attend(query, key, value, mask, bias, dropout_rng, deterministic)
+            out = self._attend(query, key, value, mask, bias, dropout_rng, deterministic, written)
         return self._output(out, inputs_q.shape[-1])
 
     # ------------------------------------------------------------------------- projections
@@ -325,10 +328,12 @@ class MultiHeadAttention(nn.Module):
         positions_q: Array | None,
         check: bool,
         left_padding: Array | None = None,
-    ) -> tuple[Array, Array, Array | None]:
+    ) -> tuple[Array, Array, Array | None, Array | None]:
         """decode=True self-attention: the new keys/values `[batch, q_len, kv_heads, head_dim]`
         go into the cache; returns the keys/values to attend over `[batch, slots, kv_heads,
-        head_dim]` and their causal mask.
+        head_dim]`, their causal mask and, for the full cache, the slots in use after the write
+        (int scalar: the last new position + 1, for ``kv_cache.over_written_prefix``; None for
+        the ring buffer or without new positions).
 
         The first call (``init``, or the one that allocates) creates ``cached_key`` and
         ``cached_value`` for ``q_len`` positions, or a ring buffer of ``window`` slots when
@@ -348,7 +353,7 @@ class MultiHeadAttention(nn.Module):
         cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
         if not initialized:  # the init call only allocates the cache
-            return key, value, mask
+            return key, value, mask, None
         q_len, slots = key.shape[1], cached_key.value.shape[2]
         if self.window is not None and slots == self.window and q_len:
             if left_padding is not None:
@@ -358,9 +363,12 @@ class MultiHeadAttention(nn.Module):
                 )
             if positions_q is None:
                 raise ValueError("decode=True self-attention needs positions_q `[batch, q_len]`")
-            return self._write_ring_buffer(cached_key, cached_value, key, value, mask, positions_q)
+            return (
+                *self._write_ring_buffer(cached_key, cached_value, key, value, mask, positions_q),
+                None,
+            )
         if q_len == 0:  # nothing to write (a call that only fills the cross-attention cache)
-            return heads_first(cached_key.value), heads_first(cached_value.value), mask
+            return heads_first(cached_key.value), heads_first(cached_value.value), mask, None
         if positions_q is None:
             raise ValueError(
                 "decode=True self-attention needs positions_q `[batch, q_len]`: the absolute "
@@ -369,9 +377,10 @@ class MultiHeadAttention(nn.Module):
         if left_padding is not None:  # the prompts' padding slots: hidden from every query
             real = jnp.arange(slots)[None, :] >= left_padding[:, None]  # [batch, slots]
             mask = combine_masks(mask, real[:, None, None, :])
-        return self._write_full_cache(
+        key, value, mask = self._write_full_cache(
             cached_key, cached_value, key, value, mask, positions_q, check
         )
+        return key, value, mask, positions_q[0, -1].astype(jnp.int32) + 1
 
     def _write_full_cache(
         self,
@@ -431,13 +440,34 @@ class MultiHeadAttention(nn.Module):
         bias: Array | None,
         dropout_rng: Array | None,
         deterministic: bool,
+        written: Array | None = None,
     ) -> Array:
         """The attention call of every mode: query `[batch, q_len, heads, head_dim]` over
         key/value `[batch, kv_len, kv_heads, head_dim]` -> `[batch, q_len, heads, head_dim]`.
-        Sows the weights `[batch, heads, q_len, kv_len]` when "intermediates" is mutable."""
+        Sows the weights `[batch, heads, q_len, kv_len]` when "intermediates" is mutable.
+        ``written`` (the full decoding cache's slots in use, or None): without dropout or
+        weights to sow, only the written prefix of the cache is read
+        (``kv_cache.over_written_prefix``)."""
         # Weights only when someone collects them: sow is a no-op unless "intermediates" is
         # mutable, and then the weights are not computed either.
         want_weights = self.is_mutable_collection("intermediates")
+        if written is not None and dropout_rng is None and not want_weights:
+
+            def attend(key, value, mask, bias):
+                return dot_product_attention(
+                    query,
+                    heads_first(key),
+                    heads_first(value),
+                    mask,
+                    bias,
+                    implementation=self.implementation,
+                    scale=self.logits_scale,
+                )
+
+            # The cache as stored (heads first): a transposed view as the switch's operand had
+            # XLA write each layer's cache twice, into two copies of it, at every step.
+            operands = ((heads_first(key), 2), (heads_first(value), 2), (mask, -1), (bias, -1))
+            return kv_cache.over_written_prefix(attend, written, key.shape[1], operands)
         out = dot_product_attention(
             query,
             key,
@@ -490,11 +520,12 @@ class MultiHeadAttention(nn.Module):
         deterministic: bool,
         beam_size: int,
         beam_ancestors: Array,
+        written: Array | None = None,
     ) -> Array:
         """Beam-search decoding, self-attention over a cache that is never reordered
         (``ops.beam_cache``): each row `[rows = batch * beam_size]` attends over the keys
         `[rows, slots, kv_heads, head_dim]` of every beam of its source, masked to its own
-        history (``beam_ancestors`` int `[rows, slots]`)."""
+        history (``beam_ancestors`` int `[rows, slots]`). ``written``: as for ``_attend``."""
         rows, q_len = query.shape[:2]
         slots = key.shape[1]
         if beam_ancestors.shape != (rows, slots):
@@ -503,16 +534,37 @@ class MultiHeadAttention(nn.Module):
                 f"got {beam_ancestors.shape}"
             )
         query = beam_cache.group_queries(query, beam_size)
+        want_weights = self.is_mutable_collection("intermediates")
+        if self.implementation == "xla" and dropout_rng is None and not want_weights:
+
+            def attend(key, value, mask, bias, ancestors):
+                key, value = heads_first(key), heads_first(value)
+                slots = key.shape[1]
+                mask = beam_cache.history_mask(ancestors, beam_size, q_len, mask)
+                if bias is not None:
+                    bias = beam_cache.group_bias(bias, rows, beam_size, q_len, slots)
+                return beam_cache.attend_beams(
+                    query, key, value, mask, bias, beam_size, self.logits_scale
+                )
+
+            operands = (
+                (heads_first(key), 2),
+                (heads_first(value), 2),
+                (mask, -1),
+                (bias, -1),
+                (beam_ancestors, 1),
+            )
+            if written is None:
+                out = attend(*(x for x, _ in operands))
+            else:
+                out = kv_cache.over_written_prefix(attend, written, slots, operands)
+            return beam_cache.ungroup_queries(out, beam_size)
         mask = beam_cache.history_mask(beam_ancestors, beam_size, q_len, mask)
         if bias is not None:
             bias = beam_cache.group_bias(bias, rows, beam_size, q_len, slots)
-        want_weights = self.is_mutable_collection("intermediates")
-        if self.implementation == "xla" and dropout_rng is None and not want_weights:
-            out = beam_cache.attend_beams(
-                query, key, value, mask, bias, beam_size, self.logits_scale
-            )
-        else:  # the general path: every beam's keys on one axis
-            key = beam_cache.group_keys(key, beam_size)
-            value = beam_cache.group_keys(value, beam_size)
-            out = self._attend(query, key, value, mask, bias, dropout_rng, deterministic)
+        # The general path (dropout, weights to sow, another implementation): every beam's
+        # keys on one axis.
+        key = beam_cache.group_keys(key, beam_size)
+        value = beam_cache.group_keys(value, beam_size)
+        out = self._attend(query, key, value, mask, bias, dropout_rng, deterministic)
         return beam_cache.ungroup_queries(out, beam_size)

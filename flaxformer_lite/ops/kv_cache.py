@@ -9,7 +9,9 @@ new positions `[batch, q_len, kv_heads, head_dim]` at consecutive absolute posit
 * the full cache (``slots = max_len``): position p lives in slot p. ``write_cache`` writes the
   new positions in place (``check_cache_room`` first: a write past the end raises), and
   ``cache_mask`` says which slots each new query sees (causal, and within ``window`` when one
-  is set but the cache is shorter than it).
+  is set but the cache is shorter than it). A step reads only the prefix of the cache that
+  holds the slots written so far (``over_written_prefix``: 32, 64, ... slots, or all of them):
+  a cache sized for 511 tokens costs a 30-token sentence what a cache of 32 does.
 * the ring buffer (``slots = window``, restricted self-attention): position p lives in slot
   p % window, the newest one of its residue class. ``ring_update`` gives what a step attends
   over, the ring as it was followed by the new keys (their positions: ``ring_key_positions``),
@@ -105,6 +107,67 @@ def check_cache_room(index: Array, q_len: int, max_len: int, *, runtime: bool = 
             lambda: jax.debug.callback(raise_full, index),
             lambda: None,
         )
+
+
+# ----------------------------------------------------------------------------- the written prefix
+
+# The prefixes a decoding step may attend over instead of the whole cache: 32, 64, ... slots,
+# each at most a quarter of the cache (XLA copies the prefix out before its dots, so a prefix
+# pays only where reading it twice and writing it once costs less than reading every slot).
+SMALLEST_PREFIX = 32
+PREFIX_FRACTION = 2
+
+
+def prefix_widths(slots: int) -> tuple[int, ...]:
+    """The static widths :func:`over_written_prefix` chooses from for a cache of ``slots``:
+    ``SMALLEST_PREFIX``, twice that, ... up to ``slots // PREFIX_FRACTION``, then ``slots``
+    (alone where ``slots`` is symbolic: ``jax.export`` with a polymorphic length)."""
+    if jax.export.is_symbolic_dim(slots):
+        return (slots,)
+    widths, width = [], SMALLEST_PREFIX
+    while width * PREFIX_FRACTION <= slots and width < slots:
+        widths.append(width)
+        width *= 2
+    return (*widths, slots)
+
+
+def over_written_prefix(
+    attend: Any, written: Array, slots: int, operands: tuple[tuple[Any, int], ...]
+) -> Any:
+    """``attend(*operands)`` over the cache's first ``n`` slots only, ``n`` the smallest of
+    :func:`prefix_widths` that holds the ``written`` ones (int scalar, traced: slots
+    ``0 .. written - 1`` are in use).
+
+    A full cache of ``slots`` (e.g. 511 for a Hugging Face folder's ``max_length``) is read
+    whole at every step although a sentence uses a few dozen slots: the attention of a step is
+    memory-bound on a CPU and costs as much as its width. ``operands``: (array or None, the
+    slots axis); an array whose slots axis is not ``slots`` long (a broadcast mask) passes
+    whole. ``attend`` must be pure (no Flax state) and mask the slots past ``written``, whose
+    results then equal the whole cache's. One ``lax.switch``: each width compiles its own
+    branch of ``attend``; a cache under ``4 * SMALLEST_PREFIX`` slots has one, ``attend``
+    itself.
+    """
+    widths = prefix_widths(slots)
+    arrays = tuple(x for x, _ in operands)
+    written = jnp.asarray(written)
+    if len(widths) == 1:
+        return attend(*arrays)
+
+    def branch(width: int) -> Any:
+        def run(*xs: Any) -> Any:
+            return attend(
+                *(
+                    x
+                    if x is None or x.shape[axis] != slots
+                    else jax.lax.slice_in_dim(x, 0, width, axis=axis)
+                    for x, (_, axis) in zip(xs, operands, strict=True)
+                )
+            )
+
+        return run
+
+    index = sum((written > w).astype(jnp.int32) for w in widths[:-1])
+    return jax.lax.switch(index, [branch(w) for w in widths], *arrays)
 
 
 # ----------------------------------------------------------------------------- the ring buffer

@@ -195,6 +195,40 @@ def test_row_max_len_cuts_each_row_at_its_own_limit(params, inputs, greedy):
         np.testing.assert_allclose(got_scores[row], want, rtol=1e-5, atol=1e-4)
 
 
+def test_greedy_and_beams_over_a_long_cache_equal_full_recomputation():
+    """A cache of 70 slots: a step attends over the prefix that holds the slots written so far
+    (32 slots, then all 70: ``kv_cache.prefix_widths``) and the rows run past slot 32, so the
+    search crosses from one to the other. Greedy equals the full recomputation; beam search
+    (in place and reordering: the same tokens) returns hypotheses whose scores are the full
+    recomputation's log-probs of their tokens."""
+    config, max_len = CONFIG.replace(max_len=80), 70
+    params = init_params(config, seed=1, scale=4.0)  # seed: rows that run long, checked
+    inputs = padded(SOURCES)
+    tokens, scores = generate(params, config, inputs, method="greedy", max_len=max_len)
+    tokens = np.asarray(tokens)
+    expected, margin = naive_greedy(params, config, inputs, max_len)
+    assert margin > MIN_MARGIN, f"near-tie in the random model (margin {margin}): change seed"
+    np.testing.assert_array_equal(tokens, expected)
+    lengths = generated_lengths(tokens)
+    assert min(lengths) > 40 and len(set(lengths)) > 1, lengths
+    logp = teacher_forced_log_probs(params, config, inputs, tokens)
+    for row, length in enumerate(lengths):
+        want = logp[row, np.arange(length), tokens[row, :length]].sum()
+        np.testing.assert_allclose(scores[row], want, rtol=1e-5, atol=1e-4)
+
+    options = dict(method="beam", beam_size=3, alpha=0.0, max_len=max_len)
+    beams, beam_scores = generate(params, config, inputs, beam_cache="in_place", **options)
+    reordered, _ = generate(params, config, inputs, beam_cache="reorder", **options)
+    beams = np.asarray(beams)
+    np.testing.assert_array_equal(beams, np.asarray(reordered))
+    lengths = generated_lengths(beams)
+    assert min(lengths) > 40, lengths
+    logp = teacher_forced_log_probs(params, config, inputs, beams)
+    for row, length in enumerate(lengths):
+        want = logp[row, np.arange(length), beams[row, :length]].sum()
+        np.testing.assert_allclose(float(beam_scores[row]), want, rtol=1e-5, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- beam search
 
 
@@ -415,6 +449,22 @@ def test_eight_devices_decode_the_tokens_of_one(sharded_decoding, mesh, method):
     np.testing.assert_allclose(
         results[f"{mesh}/{method}/scores"], results[f"one/{method}/scores"], rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_eight_devices_attend_over_the_written_prefix_as_one_device(sharded_decoding, method):
+    """A cache of 70 slots, each step over the prefix holding its written slots (a conditional
+    per layer), heads split over "tensor" on 2 x 4: one device's tokens and scores, with rows
+    that end early and rows that run to the limit through both prefixes."""
+    results, _ = sharded_decoding
+    ref, got = results[f"one/{method}_long/tokens"], results[f"2x1x4/{method}_long/tokens"]
+    lengths = generated_lengths(ref)
+    assert ref.shape == (5, 70) and min(lengths) < 32 and max(lengths) == 70, lengths
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_allclose(
+        results[f"2x1x4/{method}_long/scores"], results[f"one/{method}_long/scores"], rtol=1e-5,
+        atol=1e-5,
+    )  # fmt: skip
 
 
 def test_sharded_decoding_compiles_once_per_shape_and_splits_heads(sharded_decoding):

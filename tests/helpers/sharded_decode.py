@@ -41,6 +41,7 @@ PROMPTS = [[5, 9, 7], [12, 4, 6], [17, 3, 8]]
 MESHES = {"8x1x1": (8, 1, 1), "2x1x4": (2, 1, 4)}
 METHODS = {"greedy": {}, "beam": dict(beam_size=4, alpha=0.6)}
 MAX_LEN = 10
+LONG_MAX_LEN = 70
 SEED = 13
 SYMBOLS = "abcdefghijklmnopqrst"  # ids 4 to 23
 
@@ -104,6 +105,20 @@ def main(out: Path) -> None:
             lm, CONFIG, prompts, mesh=meshes[name], method="greedy", max_len=6
         )
         results[f"{name}/lm/tokens"] = np.asarray(t)
+
+    # A cache of 70 slots (positions up to 80): each step attends over the prefix holding the
+    # slots written (kv_cache.over_written_prefix: a conditional per layer), heads over
+    # "tensor" on 2 x 4; seed 7's rows run past both prefixes (32, 64) or end early.
+    long = CONFIG.replace(max_len=80)
+    long_params = init(EncoderDecoder(long), tokens, tokens, seed=7, scale=4.0)
+    for name in ("one", "2x1x4"):
+        for method, options in METHODS.items():
+            t, s = gen.generate(
+                long_params, long, inputs, mesh=meshes[name], method=method,
+                max_len=LONG_MAX_LEN, **options,
+            )  # fmt: skip
+            results[f"{name}/{method}_long/tokens"] = np.asarray(t)
+            results[f"{name}/{method}_long/scores"] = np.asarray(s)
 
     # The Translator (what the CLIs build) on its default mesh, every device: the sources as
     # text (id 3 is UNK, written "?"); the test compares with the one-device greedy tokens.

@@ -277,3 +277,60 @@ def test_beam_search_in_place_attends_over_each_rows_history():
     )
     with pytest.raises(ValueError, match="beam_ancestors must be"):
         call(ancestors[:, :3], ["cache"])
+
+
+# ----------------------------------------------------------------------------- the written prefix
+
+
+def test_prefix_widths_double_from_32_up_to_half_the_cache():
+    assert kv_cache.prefix_widths(16) == (16,)
+    assert kv_cache.prefix_widths(63) == (63,)
+    assert kv_cache.prefix_widths(64) == (32, 64)
+    assert kv_cache.prefix_widths(128) == (32, 64, 128)
+    assert kv_cache.prefix_widths(511) == (32, 64, 128, 511)
+
+
+@pytest.mark.parametrize("position", [5, 40, 100])
+@pytest.mark.parametrize("path", ["one_row_each", "beams_in_place"])
+def test_a_decoding_step_reads_only_the_written_prefix_of_a_long_cache(path, position):
+    """A cache of 130 slots (prefixes of 32 and 64 slots, then the whole cache): a step at
+    ``position`` equals the float64 reference over slots 0..position, although every slot
+    past the prefix that holds the written ones is NaN (a step that read it would return NaN:
+    0 x NaN in the value product). Without beams: each row its own cache row; with
+    ``beam_size=2``: the in-place beam attention, slot t of row r held by row
+    ``source * beam + ancestors[r, t]``."""
+    slots = 130
+    prefix = next(w for w in kv_cache.prefix_widths(slots) if w > position)
+    beam = 2 if path == "beams_in_place" else 1
+    layer = MultiHeadAttention(HEADS, HEAD_DIM, num_kv_heads=2)
+    x = features(8, 2 * beam, 1)
+    params = random_params(layer, x)
+    rng = np.random.default_rng(9)
+    cached = rng.standard_normal((2, 2 * beam, 2, slots, HEAD_DIM)).astype(np.float32)
+    cached[:, :, :, prefix:] = np.nan  # never read
+    cache = {"cached_key": cached[0], "cached_value": cached[1]}
+    ancestors = rng.integers(0, beam, (2 * beam, slots)).astype(np.int32)
+    ancestors[:, position] = np.arange(2 * beam) % beam  # this step's slot: each row's own
+    extra = dict(beam_size=beam, beam_ancestors=jnp.asarray(ancestors)) if beam > 1 else {}
+    # The position traced, as in a decoding loop (a constant one lets XLA slice the dots).
+    out, _ = jax.jit(
+        lambda p, c, x, at: layer.apply(
+            {"params": p, "cache": c}, x, positions_q=at, decode=True, mutable=["cache"],
+            **extra,
+        )
+    )(params, cache, x, jnp.full((2 * beam, 1), position))  # fmt: skip
+
+    p = ref.to_float64(params)
+    project = lambda name: np.einsum("bnd,dhk->bnhk", x, p[name]["kernel"]) + p[name]["bias"]  # noqa: E731
+    query, new_key, new_value = project("query"), project("key"), project("value")
+    keys = cached[0].transpose(0, 2, 1, 3).astype(np.float64)[:, : position + 1]
+    values = cached[1].transpose(0, 2, 1, 3).astype(np.float64)[:, : position + 1]
+    keys[:, position], values[:, position] = new_key[:, 0], new_value[:, 0]
+    rows, held = np.arange(2 * beam), np.arange(position + 1)
+    owner = (rows // beam * beam)[:, None] + ancestors[:, : position + 1]
+    history_k, history_v = keys[owner, held], values[owner, held]
+    heads = ref.scaled_dot_product_attention(
+        query, history_k, history_v, np.ones((2 * beam, 1, position + 1), bool)
+    )
+    expected = np.einsum("bnhk,hkd->bnd", heads, p["out"]["kernel"]) + p["out"]["bias"]
+    np.testing.assert_allclose(np.asarray(out), expected, atol=ATOL, rtol=0)

@@ -11,6 +11,8 @@ a search that does not follow the parents gives other tokens).
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -286,15 +288,20 @@ def test_attend_beams_takes_the_logits_scale():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA's CPU backend's layouts")
-def test_the_beam_search_loop_writes_the_cache_and_copies_none_of_it():
+@pytest.mark.parametrize("slots", [7, 70])
+def test_the_beam_search_loop_writes_the_cache_and_copies_none_of_it(slots):
     """The compiled in-place beam search (the ``generate_jit`` program) touches each layer's
     self-attention keys and values once per step, with the in-place write of the step's
     entries: no other instruction of the loop body (outside fusion bodies) outputs an array of
     the cache's size. With the rows split into (batch, key beam) as batch dimensions of the
     attention dots, XLA's CPU backend copied every layer's keys and values at every step (a
-    transpose for the dots: 18% of the beam step at opus-mt size, bench/profile_ops.py)."""
+    transpose for the dots: 18% of the beam step at opus-mt size, bench/profile_ops.py). A
+    cache of 70 slots attends over its written prefix (``kv_cache.over_written_prefix``: a
+    conditional per layer); with the cache passed to it in another layout than stored, XLA
+    wrote each layer's cache twice, into two full copies, at every step."""
     config, params = encoder_decoder("mha")
-    batch, beam, slots = 3, 3, 7  # cache [9 rows, 4 heads, 7 slots, 8]: 2,016 elements
+    config = config.replace(max_len=max(config.max_len, slots))
+    batch, beam = 3, 3  # cache [9 rows, 4 heads, slots, 8]: 2,016 elements for 7 slots
     cache_size = batch * beam * config.num_heads * slots * (config.d_model // config.num_heads)
     mesh = sharding.make_mesh((-1, 1, 1), jax.devices()[:1])
     program = gen.generate_jit.lower(
@@ -312,3 +319,7 @@ def test_the_beam_search_loop_writes_the_cache_and_copies_none_of_it():
     writes = [i for i in in_loop if "dynamic-update-slice" in i.name]
     assert len(writes) == 2 * config.num_decoder_layers, in_loop  # keys and values per layer
     assert [i.line for i in in_loop if i not in writes] == []
+    # The prefix's conditionals (tuple-shaped, not in unfused()): one per layer, out of the
+    # attention's `[batch, beam * q_len, heads, head_dim]`.
+    prefixes = re.findall(r"= \(f32\[3,3,4,8\]\S*\) conditional\(", program)
+    assert len(prefixes) == (config.num_decoder_layers if slots == 70 else 0), prefixes
