@@ -157,6 +157,7 @@ class MultiHeadAttention(nn.Module):
         ``positions_q`` still names the slots written.
         """
         self_attention = inputs_kv is None and not self.cross_attention
+        written = None  # the full decoding cache's slots in use (kv_cache.over_written_prefix)
         if left_padding is not None:
             if not (decode and self_attention):
                 raise ValueError(
@@ -179,8 +180,6 @@ class MultiHeadAttention(nn.Module):
             key, value, mask, written = self._self_attention_cache(
                 key, value, mask, positions_q, check_cache
             )
-        elif left_padding is None:
-            written = None
 
         dropout_rng = None
         if self.dropout_rate > 0.0 and not deterministic:
@@ -554,10 +553,7 @@ class MultiHeadAttention(nn.Module):
                 (bias, -1),
                 (beam_ancestors, 1),
             )
-            if written is None:
-                out = attend(*(x for x, _ in operands))
-            else:
-                out = kv_cache.over_written_prefix(attend, written, slots, operands)
+            out = kv_cache.over_written_prefix(attend, written, slots, operands)
             return beam_cache.ungroup_queries(out, beam_size)
         mask = beam_cache.history_mask(beam_ancestors, beam_size, q_len, mask)
         if bias is not None:

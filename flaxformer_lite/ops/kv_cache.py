@@ -112,8 +112,8 @@ def check_cache_room(index: Array, q_len: int, max_len: int, *, runtime: bool = 
 # ----------------------------------------------------------------------------- the written prefix
 
 # The prefixes a decoding step may attend over instead of the whole cache: 32, 64, ... slots,
-# each at most a quarter of the cache (XLA copies the prefix out before its dots, so a prefix
-# pays only where reading it twice and writing it once costs less than reading every slot).
+# each at most half the cache (XLA copies the prefix out before its dots, so a prefix pays
+# only where that copy and the dots cost less than reading every slot; bench/written_prefix.py).
 SMALLEST_PREFIX = 32
 PREFIX_FRACTION = 2
 
@@ -132,11 +132,11 @@ def prefix_widths(slots: int) -> tuple[int, ...]:
 
 
 def over_written_prefix(
-    attend: Any, written: Array, slots: int, operands: tuple[tuple[Any, int], ...]
+    attend: Any, written: Array | None, slots: int, operands: tuple[tuple[Any, int], ...]
 ) -> Any:
     """``attend(*operands)`` over the cache's first ``n`` slots only, ``n`` the smallest of
     :func:`prefix_widths` that holds the ``written`` ones (int scalar, traced: slots
-    ``0 .. written - 1`` are in use).
+    ``0 .. written - 1`` are in use; None: the whole cache).
 
     A full cache of ``slots`` (e.g. 511 for a Hugging Face folder's ``max_length``) is read
     whole at every step although a sentence uses a few dozen slots: the attention of a step is
@@ -144,14 +144,14 @@ def over_written_prefix(
     slots axis); an array whose slots axis is not ``slots`` long (a broadcast mask) passes
     whole. ``attend`` must be pure (no Flax state) and mask the slots past ``written``, whose
     results then equal the whole cache's. One ``lax.switch``: each width compiles its own
-    branch of ``attend``; a cache under ``4 * SMALLEST_PREFIX`` slots has one, ``attend``
-    itself.
+    branch of ``attend``; a cache under ``SMALLEST_PREFIX * PREFIX_FRACTION`` slots has one,
+    ``attend`` itself.
     """
     widths = prefix_widths(slots)
     arrays = tuple(x for x, _ in operands)
-    written = jnp.asarray(written)
-    if len(widths) == 1:
+    if written is None or len(widths) == 1:
         return attend(*arrays)
+    written = jnp.asarray(written)
 
     def branch(width: int) -> Any:
         def run(*xs: Any) -> Any:
