@@ -18,6 +18,7 @@ crosses them systematically:
     b   cached greedy decoding (``generate``) vs an uncached recomputation of the whole prefix
         per step (tokens and log-probabilities)
     c   beam search with ``beam_cache="in_place"`` vs the classic reordering search
+        (b and c at 8 new tokens and over the written prefix of a 70-slot cache)
     d   the serving export (``export.export_function``, serialized and read back) vs generate
     e   ``hf.save_pretrained`` -> ``transformers.MarianMTModel`` logits vs the float64
         reference (Marian-expressible cells), or one ValueError line naming the field
@@ -326,6 +327,16 @@ from flaxformer_lite.ops.quantize import quantize_params  # noqa: E402
 SRC_LENGTHS, TGT_LENGTHS = (9, 6, 3), (7, 4, 2)
 SRC_LEN, TGT_LEN, EXTRA_PADS = 10, 8, 3
 DECODE_LEN = 8
+# A cache of 70 slots in a model of 80 positions: decoding attends over the written prefix
+# (ops.kv_cache.over_written_prefix: a conditional per layer, 32 slots, 64, then all 70).
+LONG_DECODE_LEN = 70
+
+
+def decode_config(cell: dict, decode_len: int) -> TransformerConfig:
+    cfg = config_of(cell)
+    return cfg if decode_len == DECODE_LEN else cfg.replace(max_len=LONG_DECODE_LEN + 10)
+
+
 LOGITS_ATOL = 1e-4  # float32 model vs float64 reference (test_reference: 1e-5 on 2+2 dense)
 BF16_U = 2.0**-8
 
@@ -620,8 +631,9 @@ def uncached_greedy(cfg, params, src, steps: int):
     scores = np.zeros(b)
     done = np.zeros(b, bool)
     margin = np.inf
+    full_logits = full_logits_fn(cfg)  # one compiled program for every step
     for t in range(steps):
-        logits = np.asarray(full_logits_fn(cfg)(params, src, dec_in), np.float64)[:, t]
+        logits = np.asarray(full_logits(params, src, dec_in), np.float64)[:, t]
         top2 = np.sort(logits, -1)[:, -2:]
         margin = min(margin, float((top2[:, 1] - top2[:, 0])[~done].min()))
         logp = logits - logits.max(-1, keepdims=True)
@@ -645,19 +657,21 @@ def decode_tolerance(cfg) -> float:
     return 64 * BF16_U if cfg.dtype == "bfloat16" else 1e-4
 
 
+@pytest.mark.parametrize("decode_len", [DECODE_LEN, LONG_DECODE_LEN])
 @pytest.mark.parametrize("cell", cell_params("b"))
-def test_b_cached_greedy_equals_uncached(cell):
+def test_b_cached_greedy_equals_uncached(cell, decode_len):
     """Cached greedy decoding (``generate``) against the uncached model: every token it
     picks is the uncached model's argmax given the same prefix (within the rounding bound in
     bfloat16: no other token more than ``decode_tolerance`` above it), and its score is the
     uncached log-probability of its tokens. In float32, also the tokens of an uncached greedy
-    search, run independently."""
+    search, run independently. ``LONG_DECODE_LEN``: over the written prefix of a 70-slot
+    cache."""
     from flaxformer_lite.decoding.generate import generate
     from flaxformer_lite.models import unrolled
 
-    cfg = config_of(cell)
+    cfg = decode_config(cell, decode_len)
     params = model_params(cfg)
-    tokens, scores = generate(params, cfg, SRC, method="greedy", max_len=DECODE_LEN)
+    tokens, scores = generate(params, cfg, SRC, method="greedy", max_len=decode_len)
     tokens = np.asarray(tokens)
     uparams, ucfg = unrolled(params, cfg)
     dec_in = np.concatenate([np.full((3, 1), cfg.bos_id, np.int32), tokens[:, :-1]], axis=1)
@@ -678,24 +692,25 @@ def test_b_cached_greedy_equals_uncached(cell):
         steps += live.sum()
     assert steps >= 6  # rows really decoded
     if cfg.dtype == "float32":
-        want, want_scores, margin = uncached_greedy(cfg, params, SRC, DECODE_LEN)
+        want, want_scores, margin = uncached_greedy(cfg, params, SRC, decode_len)
         assert margin > 10 * tol, f"top-2 margin {margin}: pick another seed"
         np.testing.assert_array_equal(tokens, want)
-        np.testing.assert_allclose(np.asarray(scores), want_scores, rtol=0, atol=tol * DECODE_LEN)
+        np.testing.assert_allclose(np.asarray(scores), want_scores, rtol=0, atol=tol * decode_len)
 
 
 # ----------------------------------------------------------------------------- c: beams
 
 
+@pytest.mark.parametrize("decode_len", [DECODE_LEN, LONG_DECODE_LEN])
 @pytest.mark.parametrize("cell", cell_params("c"))
-def test_c_beam_in_place_equals_reordering_beam(cell):
+def test_c_beam_in_place_equals_reordering_beam(cell, decode_len):
     from flaxformer_lite.decoding.generate import generate
 
-    cfg = config_of(cell)
+    cfg = decode_config(cell, decode_len)
     params = model_params(cfg)
     runs = {
         how: generate(
-            params, cfg, SRC, method="beam", beam_size=3, max_len=DECODE_LEN, beam_cache=how
+            params, cfg, SRC, method="beam", beam_size=3, max_len=decode_len, beam_cache=how
         )
         for how in ("reorder", "in_place")
     }
