@@ -185,14 +185,19 @@ def forward(model: nn.Module, kind: str, params, batch, *, deterministic: bool, 
 
 SUM_KEYS = ("smoothed_kl", "nll", "count", "correct")
 MOE_KEYS = ("moe_aux_loss", "router_z_loss", "moe_dropped")
+RDROP_KEYS = ("rdrop_kl",)
 
 
-def sum_keys(cfg: TransformerConfig) -> tuple[str, ...]:
-    """The keys ``loss_sums`` returns for a model of ``cfg``."""
-    return SUM_KEYS + (MOE_KEYS if cfg.num_experts > 0 else ())
+def sum_keys(cfg: TransformerConfig, rdrop: bool = False) -> tuple[str, ...]:
+    """The keys ``loss_sums`` returns for a model of ``cfg`` (``rdrop``: a training pass with
+    ``rdrop_alpha > 0``)."""
+    return SUM_KEYS + (MOE_KEYS if cfg.num_experts > 0 else ()) + (RDROP_KEYS if rdrop else ())
 
 
-def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng=None, totals=None):
+def loss_sums(
+    model, kind, label_smoothing, params, batch, *, deterministic, rng=None, totals=None,
+    rdrop_alpha=0.0,
+):  # fmt: skip
     """(objective sum, aux sums), summed so micro-batches and devices add up exactly.
 
     The objective is ``losses.smoothed_cross_entropy``: the label-smoothed cross-entropy minus
@@ -208,7 +213,20 @@ def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng
     whole batch's ``routing_totals``: then it returns its additive share of the whole batch's
     losses (``moe.batch_auxiliary_losses``; x the whole batch's count), and the shares of the
     micro-batches sum to the whole batch's value and gradient. None: this batch is the whole.
+
+    R-Drop (Liang et al., 2021), when ``rdrop_alpha > 0`` and not ``deterministic``: every row
+    is run twice in one forward pass (each row repeated in place, ``[2 x batch, ...]``, so a
+    device's rows stay on it), the two copies under different dropout masks. The objective is
+    the paper's loss halved, so that it stays on the scale of one pass: the mean of the two
+    copies' losses plus ``rdrop_alpha / 2`` x ``rdrop_kl``, the sum over real tokens of
+    ``losses.symmetric_kl`` between the copies. The sums are the means of the two copies (one
+    copy's ``count``) and ``rdrop_kl``. Not with a mixture of experts (refused).
     """
+    rdrop = rdrop_alpha > 0 and not deterministic
+    if rdrop:
+        if model.config.num_experts > 0:
+            raise ValueError("rdrop_alpha > 0 is not supported with num_experts > 0")
+        batch = jax.tree_util.tree_map(lambda x: jnp.repeat(x, 2, axis=0), batch)
     logits, labels, weights, stats = forward(
         model, kind, params, batch, deterministic=deterministic, rng=rng
     )
@@ -217,6 +235,14 @@ def loss_sums(model, kind, label_smoothing, params, batch, *, deterministic, rng
     correct = losses.correct_predictions(logits, labels, weights)
     sums = {"smoothed_kl": kl, "nll": nll, "count": count, "correct": correct}
     objective = kl
+    if rdrop:
+        pairs = lambda x: x.reshape(x.shape[0] // 2, 2, *x.shape[1:])  # noqa: E731
+        logit_pairs, weight_pairs = pairs(logits), pairs(weights)
+        sums = {k: v / 2 for k, v in sums.items()}
+        sums["rdrop_kl"] = losses.symmetric_kl(
+            logit_pairs[:, 0], logit_pairs[:, 1], weight_pairs[:, 0]
+        )
+        objective = sums["smoothed_kl"] + rdrop_alpha / 2 * sums["rdrop_kl"]
     if stats:
         cfg = model.config
         aux = moe.batch_auxiliary_losses(stats, None if totals is None else totals["routing"])
@@ -251,6 +277,7 @@ def train_step(
     label_smoothing,
     accum_steps: int,
     skip_nonfinite: bool,
+    rdrop_alpha: float = 0.0,
 ):
     """One optimizer update from a batch of ``accum_steps`` micro-batches.
 
@@ -270,7 +297,9 @@ def train_step(
     """
     rng = jax.random.fold_in(state.rng, state.step)
     grad_fn = jax.grad(
-        functools.partial(loss_sums, model, kind, label_smoothing, deterministic=False),
+        functools.partial(
+            loss_sums, model, kind, label_smoothing, deterministic=False, rdrop_alpha=rdrop_alpha
+        ),
         has_aux=True,
     )
     if accum_steps == 1:
@@ -305,7 +334,8 @@ def train_step(
             return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
 
         zeros = jax.tree_util.tree_map(
-            jnp.zeros_like, (state.params, _zero_sums(sum_keys(model.config)))
+            jnp.zeros_like,
+            (state.params, _zero_sums(sum_keys(model.config, rdrop=rdrop_alpha > 0))),
         )
         (grads, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
     denom = jnp.maximum(sums["count"], 1.0)
@@ -345,6 +375,7 @@ def jit_train_step(config: Any, model, kind: str, tx, schedule, state_shardings,
             label_smoothing=config.label_smoothing,
             accum_steps=config.grad_accum_steps,
             skip_nonfinite=config.skip_nonfinite_steps,
+            rdrop_alpha=config.get("rdrop_alpha", 0.0),
         ),
         in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
         out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
@@ -407,7 +438,7 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
         f"{prefix}/accuracy": sums["correct"] / count,
         f"{prefix}/perplexity": float(np.exp(min(sums["nll"] / count, 50.0))),
     }
-    out.update({f"{prefix}/{k}": sums[k] / count for k in MOE_KEYS if k in sums})
+    out.update({f"{prefix}/{k}": sums[k] / count for k in (*MOE_KEYS, *RDROP_KEYS) if k in sums})
     return out
 
 
@@ -543,7 +574,7 @@ class LogWindow:
 
     def add(self, metrics: dict[str, Any], flops: float, timed: bool) -> None:
         """Adds one step's host metrics (see ``train_step``)."""
-        for k in (*SUM_KEYS, *MOE_KEYS):  # the MoE sums only in a mixture-of-experts run
+        for k in (*SUM_KEYS, *MOE_KEYS, *RDROP_KEYS):  # MoE, R-Drop sums: only in such runs
             if k in metrics:
                 self.sums[k] = self.sums.get(k, 0.0) + float(metrics[k])
         self.grad_norm_sum += float(metrics["grad_norm"])
@@ -837,6 +868,7 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
     # and returns.
     preemption = Preemption()
     window, pending = LogWindow(), []
+    passes = 2 if config.get("rdrop_alpha", 0.0) > 0 else 1  # R-Drop runs every row twice
     compiled_shapes: set[tuple] = set()  # batch shapes step_fn has been compiled for
     paced_from: tuple[int, float] | None = None  # (step, seconds into the run) once compiled
     eval_metrics: dict[str, float] = {}
@@ -862,7 +894,7 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
                 timed = window.running_since is not None
                 state, metrics = step_fn(state, batch)
                 done = step + 1
-                batch_flops = batch_train_flops(task.kind, cfg, batch)
+                batch_flops = batch_train_flops(task.kind, cfg, batch) * passes
                 pending.append(PendingStep(done, metrics, batch_flops, timed))
                 bar.update(1)
                 log_now = done % config.log_every == 0

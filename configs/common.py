@@ -18,6 +18,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.grad_clip_norm = 0.0  # 0 = off
     c.grad_accum_steps = 1
     c.label_smoothing = 0.1
+    # R-Drop (Liang et al., 2021): > 0 runs each training row twice under different dropout
+    # masks (twice the compute per step) and adds rdrop_alpha / 2 x the symmetric KL between
+    # the two predictions to the mean of their losses (train.loss_sums); 0 = off. The paper
+    # uses 5 for translation.
+    c.rdrop_alpha = 0.0
     c.skip_nonfinite_steps = False
 
     # Loop cadence.

@@ -84,6 +84,28 @@ def _smoothed_ce(logits, labels, weights, label_smoothing):
 _smoothed_ce.defvjp(_smoothed_ce_fwd, _smoothed_ce_bwd)
 
 
+def symmetric_kl(logits_a: Array, logits_b: Array, weights: Array) -> Array:
+    """R-Drop's consistency term (Liang et al., 2021): the mean of the two KL divergences
+    between two predictions of the same positions, summed over weighted positions.
+
+    Per position ``(KL(p_a || p_b) + KL(p_b || p_a)) / 2 = sum_v (p_a - p_b)(log p_a - log p_b)
+    / 2`` over the vocabulary, computed in float32 from log-softmaxes (no log of a rounded-off
+    zero probability). 0 where the two logit rows agree up to a constant.
+
+    Args:
+      logits_a, logits_b: `[..., vocab]`, any float dtype: two forward passes of one batch
+        under different dropout masks.
+      weights: `[...]`, 0 on padding, 1 on real tokens.
+
+    Returns:
+      The weighted sum, a float32 scalar.
+    """
+    log_a = jax.nn.log_softmax(logits_a.astype(jnp.float32), axis=-1)
+    log_b = jax.nn.log_softmax(logits_b.astype(jnp.float32), axis=-1)
+    per_position = 0.5 * jnp.sum((jnp.exp(log_a) - jnp.exp(log_b)) * (log_a - log_b), axis=-1)
+    return jnp.sum(per_position * weights.astype(jnp.float32))
+
+
 def correct_predictions(logits: Array, labels: Array, weights: Array) -> Array:
     """Weighted count of argmax predictions equal to the labels (float32 scalar).
 

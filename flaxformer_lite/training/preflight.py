@@ -45,7 +45,8 @@ class ConfigError(ValueError):
 # Every key of configs/common.py's base_config(): each task reads all of them.
 COMMON_KEYS = (
     "task seed optimizer schedule learning_rate warmup_steps b1 b2 eps weight_decay"
-    " grad_clip_norm grad_accum_steps label_smoothing skip_nonfinite_steps num_train_steps"
+    " grad_clip_norm grad_accum_steps label_smoothing rdrop_alpha skip_nonfinite_steps"
+    " num_train_steps"
     " log_every eval_every checkpoint_every keep_checkpoints decode_eval mesh_shape model"
     " allow_changes restore_step"
 ).split()
@@ -370,6 +371,7 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
         )
     _number_in(config, "grad_clip_norm", 0.0, None, "[0, inf) (0 = off)")
     _number_in(config, "label_smoothing", 0.0, 1.0, "[0, 1)")
+    _number_in(config, "rdrop_alpha", 0.0, None, "[0, inf) (0 = off)")
     _bool(config, "skip_nonfinite_steps")
     _bool(config, "decode_eval")
     _int_at_least(config, "num_train_steps", 1)
@@ -526,9 +528,22 @@ def _check_model(config: Any, vocab_size: int, max_len: int) -> None:
             "config.model.quantization"
         )
     try:
-        TransformerConfig(**expected_model_fields(config, vocab_size, max_len))
+        cfg = TransformerConfig(**expected_model_fields(config, vocab_size, max_len))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model: {e}") from None
+    if config.get("rdrop_alpha", 0.0) > 0:
+        rates = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate")
+        if not any(getattr(cfg, r) > 0 for r in rates):
+            raise ConfigError(
+                f"config.rdrop_alpha={config.rdrop_alpha} needs dropout: with "
+                f"config.model.{'/'.join(rates)} all 0 the two passes are equal and the term "
+                "is 0 at twice the cost; set a rate > 0 or config.rdrop_alpha=0"
+            )
+        if cfg.num_experts > 0:
+            raise ConfigError(
+                f"config.rdrop_alpha={config.rdrop_alpha} is not supported with "
+                f"config.model.num_experts={cfg.num_experts}; set config.rdrop_alpha=0"
+            )
 
 
 def expected_model_fields(config: Any, vocab_size: int, max_len: int) -> dict[str, Any]:
@@ -591,6 +606,10 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 _UNSET = "<unset>"
 
+# Keys added to base_config after runs were saved without them, at the value that trains as
+# those runs did: resuming such a run is no change.
+ADDED_KEY_DEFAULTS = {"rdrop_alpha": 0.0}
+
 
 def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{dotted.field: (old, new)}`` for every leaf of two nested JSON dicts that differs."""
@@ -598,6 +617,8 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, 
     changes = {}
     for key in sorted(set(a) | set(b)):
         x, y = a.get(key, _UNSET), b.get(key, _UNSET)
+        if x == _UNSET and key in ADDED_KEY_DEFAULTS and y == ADDED_KEY_DEFAULTS[key]:
+            continue
         if x != y:
             changes[key] = (x, y)
     return changes

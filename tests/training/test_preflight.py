@@ -106,6 +106,17 @@ def _set(config, key: str, value):
             r"^config\.label_smoothing must be a number in \[0, 1\); got 1\.5$",
         ),
         ("label_smoothing", -0.1, r"config\.label_smoothing must be a number in \[0, 1\)"),
+        (
+            "rdrop_alpha",
+            -1.0,
+            r"^config\.rdrop_alpha must be a number in \[0, inf\) \(0 = off\); got -1\.0$",
+        ),
+        (  # two_step_config's model has no dropout: both R-Drop passes would be equal
+            "rdrop_alpha",
+            5.0,
+            r"^config\.rdrop_alpha=5\.0 needs dropout: with config\.model\.dropout_rate/"
+            r"attention_dropout_rate/activation_dropout_rate all 0 .*config\.rdrop_alpha=0$",
+        ),
         ("grad_accum_steps", 0, r"config\.grad_accum_steps must be a positive integer; got 0"),
         (
             "grad_accum_steps",
@@ -325,6 +336,20 @@ def test_resume_compares_model_config_json_on_its_own(trained, tmp_path):
     saved["norm_type"] = "rmsnorm"  # as if the default had changed since
     (copy / "model_config.json").write_text(json.dumps(saved))
     assert_refused(two_step_config(), copy, r"model\.norm_type 'rmsnorm' -> 'layernorm'")
+
+
+def test_a_run_saved_before_a_key_was_added_resumes_with_its_default(trained, tmp_path):
+    """config.json of a run older than rdrop_alpha lacks the key: its default (0, off) trains
+    as that run did, so resuming is no change; any other value is one."""
+    copy = tmp_path / "copy"
+    shutil.copytree(trained, copy)
+    saved = json.loads((copy / "config.json").read_text())
+    del saved["rdrop_alpha"]
+    (copy / "config.json").write_text(json.dumps(saved))
+    preflight.check_run(two_step_config(num_train_steps=3), str(copy), device_count=1)
+    assert preflight.config_changes(saved, {**saved, "rdrop_alpha": 1.0}) == {
+        "rdrop_alpha": ("<unset>", 1.0)
+    }
 
 
 def test_num_train_steps_below_the_saved_step_is_refused(trained):
