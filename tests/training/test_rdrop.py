@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import train
-from flaxformer_lite import EncoderDecoder, TransformerConfig
+from flaxformer_lite import DecoderOnly, EncoderClassifier, EncoderDecoder, TransformerConfig
 from flaxformer_lite.training import losses, preflight
 from flaxformer_lite.training.metrics import read_metrics
 
@@ -61,14 +61,21 @@ def test_symmetric_kl_matches_float64_reference():
     assert got16.dtype == jnp.float32
 
 
-def model_and_batch(**rates):
+def model_and_batch(kind="translation", **rates):
     cfg = TransformerConfig(
         vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
-        num_decoder_layers=1, max_len=8, **rates,
+        num_decoder_layers=1, max_len=8, num_classes=3, **rates,
     )  # fmt: skip
-    model = EncoderDecoder(cfg)
     inputs = jnp.array([[5, 6, 7, 2, 0, 0], [8, 9, 2, 0, 0, 0], [3, 4, 5, 6, 7, 2]], jnp.int32)
     targets = jnp.array([[4, 5, 2, 0, 0], [6, 7, 8, 9, 2], [10, 2, 0, 0, 0]], jnp.int32)
+    if kind == "lm":
+        model = DecoderOnly(cfg)
+        return model, model.init(jax.random.key(1), targets)["params"], {"targets": targets}
+    if kind == "classification":
+        model = EncoderClassifier(cfg)
+        batch = {"inputs": inputs, "label": jnp.array([0, 2, 1]), "weights": jnp.ones(3)}
+        return model, model.init(jax.random.key(1), inputs)["params"], batch
+    model = EncoderDecoder(cfg)
     params = model.init(jax.random.key(1), inputs, targets)["params"]
     return model, params, {"inputs": inputs, "targets": targets}
 
@@ -103,13 +110,14 @@ def test_the_objective_is_the_mean_loss_of_two_passes_plus_half_alpha_times_thei
     assert "rdrop_kl" not in eval_sums and float(eval_sums["count"]) == tokens
 
 
-def test_without_dropout_the_term_is_zero_and_the_gradient_unchanged():
-    model, params, batch = model_and_batch(dropout_rate=0.0)
+@pytest.mark.parametrize("kind", ["translation", "lm", "classification"])
+def test_without_dropout_the_term_is_zero_and_the_gradient_unchanged(kind):
+    model, params, batch = model_and_batch(kind, dropout_rate=0.0)
 
     def grad(alpha):
         fn = jax.grad(
             lambda p: train.loss_sums(
-                model, "translation", 0.1, p, batch, deterministic=False,
+                model, kind, 0.1, p, batch, deterministic=False,
                 rng=jax.random.key(3), rdrop_alpha=alpha,
             ),
             has_aux=True,
