@@ -40,7 +40,9 @@ SHARDING_FLAGS = [
     "--config.synthetic.num_eval=32",
     "--config.model.d_model=32",
     "--config.model.num_heads=4",
-    "--config.model.d_ff=64",
+    # Wide enough for checkpoints of megabytes: test_sharding's full disk holds 2.5 of them,
+    # room for two whatever OCDBT's save-to-save differences (up to about 200 KB).
+    "--config.model.d_ff=2048",
     "--config.model.num_encoder_layers=1",
     "--config.model.num_decoder_layers=1",
     "--config.model.dropout_rate=0.1",
@@ -62,7 +64,8 @@ def free_port() -> int:
 
 
 def train_cmd(workdir: Path | str, steps: int, **config) -> list[str]:
-    """``python train.py`` on the default config with tiny overrides (and ``config``'s)."""
+    """``python train.py`` on the default config with tiny overrides (and ``config``'s, which
+    may name model fields: ``**{"model.d_ff": 4096}``)."""
     overrides = {
         **TINY_OVERRIDES,
         "num_train_steps": steps,
@@ -79,7 +82,6 @@ def train_cmd(workdir: Path | str, steps: int, **config) -> list[str]:
         "--workdir",
         str(workdir),
     ]
-    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
     cmd += [
         "--config.synthetic.max_len=6",
         "--config.synthetic.min_len=2",
@@ -90,6 +92,8 @@ def train_cmd(workdir: Path | str, steps: int, **config) -> list[str]:
         "--config.model.num_encoder_layers=1",
         "--config.model.num_decoder_layers=1",
     ]
+    # After the tiny model's flags, so that a caller's {"model.d_ff": 4096} replaces its own.
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
     return cmd
 
 

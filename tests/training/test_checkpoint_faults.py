@@ -1,5 +1,5 @@
 """A full disk during a save and a damaged newest checkpoint, each met for real by train.py in a
-subprocess: a tmpfs too small for the third checkpoint (a real ENOSPC from tensorstore), and a
+subprocess: a tmpfs too small for a third checkpoint (a real ENOSPC from tensorstore), and a
 truncated data file. Each run ends with its one line, leaves the earlier checkpoints byte for
 byte as they were, and a rerun ends bitwise equal to an uninterrupted run of the same total."""
 
@@ -19,13 +19,22 @@ from flaxformer_lite.core.checkpoints import finished_steps
 from flaxformer_lite.training.metrics import read_metrics
 
 from helpers.runs import assert_one_row_per_step_and_kind, digests, saved_state, train_cmd
-from helpers.small_disk import small_tmpfs
+from helpers.small_disk import room_for, small_tmpfs
 
 TOTAL = 12  # every scenario ends here, bitwise equal to one uninterrupted run
 # Constant after warmup: the compiled step does not depend on num_train_steps, so runs of
 # different lengths share one program (and the compilation cache). log_every above every run's
-# length: train rows only at a run's end, none on a lost branch.
-FLAGS = dict(schedule="constant", log_every=100, eval_every=0, decode_eval=False)
+# length: train rows only at a run's end, none on a lost branch. A wide feed-forward block makes
+# a checkpoint about 6 MB, of which OCDBT's save-to-save differences (up to about 200 KB) are
+# a few percent: 2.5 checkpoints' room holds two and never three (with the tiny model's 0.5 MB,
+# a loaded CI machine once failed the second save of a tmpfs sized for two).
+FLAGS = {
+    "schedule": "constant",
+    "log_every": 100,
+    "eval_every": 0,
+    "decode_eval": False,
+    "model.d_ff": 4096,
+}
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
@@ -54,11 +63,11 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """``tmp_path/run/checkpoints`` on a tmpfs with room for two checkpoints of the tiny run
-    (about 440 KB each), not three: (the mount, ``grow()``)."""
+def small_disk(tmp_path, reference):
+    """``tmp_path/run/checkpoints`` on a tmpfs with room for two of the reference run's
+    checkpoints, not three: (the mount, ``grow()``)."""
     mount = tmp_path / "run" / "checkpoints"
-    with small_tmpfs(mount, "1100k") as grow:
+    with small_tmpfs(mount, room_for(reference / "checkpoints" / "4", 2.5)) as grow:
         yield mount, grow
 
 
@@ -79,6 +88,8 @@ def test_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes_bitwise(sma
         for step in finished_steps(mount):
             if step in (3, 6) and step not in before:
                 before[step] = digests(mount / str(step))
+        if proc.poll() is not None:
+            break
         time.sleep(0.05)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-2000:] + err[-3000:]

@@ -33,7 +33,7 @@ from helpers.runs import (
     run_train,
     saved_state,
 )
-from helpers.small_disk import small_tmpfs
+from helpers.small_disk import room_for, small_tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,13 +232,15 @@ def assert_ends_as_the_uninterrupted_run(workdir: Path, two_processes) -> None:
 def test_a_full_disk_stops_both_processes_at_one_step_and_the_rerun_resumes_bitwise(
     two_processes, tmp_path
 ):
-    """A tmpfs with room for checkpoints 6 and 12, not 18: both processes stop at the same
+    """A tmpfs with room for checkpoints 6 and 12, not 18 (2.5 times the uninterrupted run's
+    checkpoint 6; runs.SHARDING_FLAGS' feed-forward width makes it megabytes, so that OCDBT's
+    save-to-save differences do not matter): both processes stop at the same
     sync point after the failed save (log_every=3), each with the one line naming it, exit
     status 1; 6 and 12 stay byte for byte, no partial step is left; 2 processes rerun from 12
     and end bitwise where the uninterrupted run does."""
     workdir = tmp_path / "full"
     mount = workdir / "checkpoints"
-    with small_tmpfs(mount, "1100k") as grow:
+    with small_tmpfs(mount, room_for(two_processes[0] / "checkpoints" / "6", 2.5)) as grow:
         procs = start_two_processes(workdir, "--config.num_train_steps=60")  # would go to 60
         before, deadline = {}, time.time() + 300
         while len(before) < 2 and time.time() < deadline:  # hash 6 and 12 once they exist
