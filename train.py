@@ -18,13 +18,49 @@ one (or --config.restore_step=N picks the step).
 
 from __future__ import annotations
 
+import os
+import sys
+
+
+def restart_with_huge_pages() -> None:
+    """Re-executes this process (same pid, arguments and interpreter options) with glibc's
+    malloc backing its memory with transparent huge pages (``GLIBC_TUNABLES=
+    glibc.malloc.hugetlb=1``), before anything heavy is imported. XLA's CPU buffers are
+    allocated and freed every step; in 4 KiB pages the kernel faults and zeroes them again and
+    again (on the Multi30k config about 250,000 page faults a second, a quarter of the CPU time
+    in the kernel), in 2 MiB pages 52 times fewer faults: the step runs 1.35x the tokens
+    per second (bench/huge_pages.py). Nothing changes where the C library is not glibc 2.35 or
+    newer, where the kernel has transparent huge pages off, or where GLIBC_TUNABLES already
+    names glibc.malloc.hugetlb (``glibc.malloc.hugetlb=0`` keeps 4 KiB pages)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables:
+        return
+    try:
+        libc, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            enabled = f.read()
+    except (AttributeError, ValueError, OSError):  # not Linux, not glibc, no THP
+        return
+    if libc != "glibc" or tuple(map(int, version.split(".")[:2])) < (2, 35) or "[never]" in enabled:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    added = "glibc.malloc.hugetlb=1"
+    env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:{added}" if tunables else added}
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError:  # carry on in this process, with 4 KiB pages
+        pass
+
+
+if __name__ == "__main__":  # before the imports below: the restart would redo them
+    restart_with_huge_pages()
+
 import dataclasses
 import functools
 import itertools
 import json
 import math
-import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
