@@ -40,15 +40,21 @@ def tokens_per_second(workdir: Path) -> float:
     return statistics.median(speeds[1:])
 
 
-def run(count: int, data: str, steps: int, scratch: Path) -> float:
-    workdir = Path(tempfile.mkdtemp(prefix=f"devices{count}_", dir=scratch))
-    cmd = [
+def train_cmd(data: str, steps: int, workdir: Path, *extra: str) -> list[str]:
+    """train.py on configs/multi30k.py for ``steps`` fixed steps, a log row every 25, no
+    evaluation or checkpoint before the end (also bench/huge_pages.py's run)."""
+    return [
         sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "multi30k.py"),
         f"--config.data_dir={data}", "--workdir", str(workdir),
         "--config.time_budget_minutes=0", f"--config.num_train_steps={steps}",
         "--config.eval_every=0", f"--config.checkpoint_every={steps}", "--config.log_every=25",
-        f"--config.cpu_devices={count}",
+        *extra,
     ]  # fmt: skip
+
+
+def run(count: int, data: str, steps: int, scratch: Path) -> float:
+    workdir = Path(tempfile.mkdtemp(prefix=f"devices{count}_", dir=scratch))
+    cmd = train_cmd(data, steps, workdir, f"--config.cpu_devices={count}")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(cmd, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
     if done.returncode:

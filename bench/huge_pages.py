@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from cpu_devices import tokens_per_second  # noqa: E402
+from cpu_devices import tokens_per_second, train_cmd  # noqa: E402
 from translate_speed import cpu_flags  # noqa: E402
 
 SETTINGS = {"4 KiB pages": "glibc.malloc.hugetlb=0", "huge pages": None}
@@ -40,12 +40,7 @@ SETTINGS = {"4 KiB pages": "glibc.malloc.hugetlb=0", "huge pages": None}
 def run(name: str, data: str, steps: int, scratch: Path) -> dict[str, float]:
     """One train.py run: tokens/s, user and system CPU seconds, minor page faults."""
     workdir = Path(tempfile.mkdtemp(dir=scratch))
-    cmd = [
-        sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "multi30k.py"),
-        f"--config.data_dir={data}", "--workdir", str(workdir),
-        "--config.time_budget_minutes=0", f"--config.num_train_steps={steps}",
-        "--config.eval_every=0", f"--config.checkpoint_every={steps}", "--config.log_every=25",
-    ]  # fmt: skip
+    cmd = train_cmd(data, steps, workdir)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")}
     if SETTINGS[name] is not None:
         env["GLIBC_TUNABLES"] = SETTINGS[name]
