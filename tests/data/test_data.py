@@ -36,6 +36,7 @@ from flaxformer_lite.data.reading import (  # noqa: E402
     read_parallel_files,
 )
 from flaxformer_lite.data.stream import BatchStream  # noqa: E402
+from flaxformer_lite.data.tasks import translation  # noqa: E402
 from flaxformer_lite.data.tasks.translation import build_translation_data  # noqa: E402
 from tests.helpers.translation_data import (  # noqa: E402
     EN,
@@ -706,6 +707,11 @@ def test_build_translation_data_separate_vocab_packing_sharded(tmp_path):
     assert sorted(os.listdir(tmp_path / "w")) == ["data_cache", "spm_src.model", "spm_tgt.model"]
     assert "ä" in td.tgt_tokenizer.id_to_piece(range(td.tgt_tokenizer.vocab_size))
     assert "ä" not in td.src_tokenizer.id_to_piece(range(td.src_tokenizer.vocab_size))
+    # The task's log line names both vocabularies' sizes, the target's from its own model.
+    task = translation.build(config, str(tmp_path / "w"), process_index=1, process_count=2)
+    sizes = f"{td.src_tokenizer.vocab_size} source, {td.tgt_tokenizer.vocab_size} target"
+    assert td.src_tokenizer.vocab_size != td.tgt_tokenizer.vocab_size
+    assert any(line.startswith(f"vocabulary: {sizes}, buckets") for line in task.log_lines)
     rows = rows_for_length(24, 256, 2)
     batch = td.train.next()
     assert set(batch) == {

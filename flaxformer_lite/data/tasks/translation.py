@@ -587,6 +587,11 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
         d.src_tokenizer.vocab_size == d.tgt_tokenizer.vocab_size
         and getattr(d.tgt_tokenizer, "shares_table_with", lambda _: False)(d.src_tokenizer)
     )
+    sizes = (
+        f"{d.src_tokenizer.vocab_size} shared"
+        if shared
+        else f"{d.src_tokenizer.vocab_size} source, {d.tgt_tokenizer.vocab_size} target"
+    )
     return Task(
         kind="translation",
         train=d.train,
@@ -603,8 +608,7 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
         log_lines=[
             f"train: {d.stats.summary()}",
             f"eval: {d.eval_stats.summary()}",
-            f"vocabulary: {d.src_tokenizer.vocab_size} ({'shared' if shared else 'source'}), "
-            f"buckets {d.boundaries}, padding share of target positions "
+            f"vocabulary: {sizes}, buckets {d.boundaries}, padding share of target positions "
             f"{100 * d.padding_fraction:.1f}%",
             *(
                 [
