@@ -15,6 +15,7 @@ from pathlib import Path  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import sentencepiece as spm  # noqa: E402
 
 from flaxformer_lite.core.special_ids import EOS_ID, PAD_ID  # noqa: E402
 from flaxformer_lite.data.batching import (  # noqa: E402
@@ -707,10 +708,14 @@ def test_build_translation_data_separate_vocab_packing_sharded(tmp_path):
     assert sorted(os.listdir(tmp_path / "w")) == ["data_cache", "spm_src.model", "spm_tgt.model"]
     assert "ä" in td.tgt_tokenizer.id_to_piece(range(td.tgt_tokenizer.vocab_size))
     assert "ä" not in td.src_tokenizer.id_to_piece(range(td.src_tokenizer.vocab_size))
-    # The task's log line names both vocabularies' sizes, the target's from its own model.
+    # The task's log line names both vocabularies' sizes, as the two model files hold them.
     task = translation.build(config, str(tmp_path / "w"), process_index=1, process_count=2)
-    sizes = f"{td.src_tokenizer.vocab_size} source, {td.tgt_tokenizer.vocab_size} target"
-    assert td.src_tokenizer.vocab_size != td.tgt_tokenizer.vocab_size
+    src, tgt = (
+        spm.SentencePieceProcessor(model_file=str(tmp_path / "w" / name)).get_piece_size()
+        for name in ("spm_src.model", "spm_tgt.model")
+    )
+    assert src != tgt
+    sizes = f"{src} source, {tgt} target"
     assert any(line.startswith(f"vocabulary: {sizes}, buckets") for line in task.log_lines)
     rows = rows_for_length(24, 256, 2)
     batch = td.train.next()
