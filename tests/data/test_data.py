@@ -694,6 +694,10 @@ def test_build_translation_data_end_to_end(tmp_path):
     assert {p: os.stat(p).st_mtime_ns for p in mtimes} == mtimes
     assert again.src_tokenizer.vocab_size == td.src_tokenizer.vocab_size
     assert_same_batches(again.train.epoch_batches(), epoch0)
+    # The task's log line gives the one vocabulary's size, as its model file holds it.
+    task = translation.build(config, str(workdir), process_index=0, process_count=1)
+    size = spm.SentencePieceProcessor(model_file=str(workdir / "spm_shared.model")).get_piece_size()
+    assert any(line.startswith(f"vocabulary: {size} shared, buckets") for line in task.log_lines)
     # A setting the tokens depend on names another cache (and needs the corpus again).
     with pytest.raises(FileNotFoundError, match="train.en"):
         build_translation_data(translation_config(tmp_path / "data", max_len=16), str(workdir))
