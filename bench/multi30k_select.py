@@ -53,12 +53,17 @@ def score(translator: Translator, sources, references, *, beam_size: int, alpha:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser, data_help: str) -> None:
+    """--workdir, --data and the two languages: what every Multi30k scoring script reads."""
     parser.add_argument("--workdir", required=True)
-    parser.add_argument("--data", required=True, help="folder with val.* and test2016.*")
+    parser.add_argument("--data", required=True, help=data_help)
     parser.add_argument("--source_lang", default="en")
     parser.add_argument("--target_lang", default="de")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser, "folder with val.* and test2016.*")
     parser.add_argument("--averages", type=int, nargs="+", default=[1])
     parser.add_argument("--beam_sizes", type=int, nargs="+", default=[4])
     parser.add_argument("--alphas", type=float, nargs="+", default=[1.0])

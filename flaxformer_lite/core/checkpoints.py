@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -308,17 +309,41 @@ def choose_steps(directory: str, *, step: int | None = None, average: int = 1) -
 # ------------------------------------------------ reading parameters alone (inference, fine-tuning)
 
 
-def average_params(checkpoint_dir: str, steps: Sequence[int], expected: Any) -> Any:
+def average_params(
+    checkpoint_dir: str,
+    steps: Sequence[int],
+    expected: Any,
+    weights: Sequence[float] | None = None,
+) -> Any:
     """Element-wise mean of the parameters saved at ``steps`` (checkpoint averaging), each read
-    and checked as by :func:`restore_params`; summed in float64, returned in the saved dtypes."""
+    and checked as by :func:`restore_params`; summed in float64, returned in the saved dtypes.
+
+    ``weights``: one non-negative weight per step (normalised to sum 1), e.g. an exponential
+    moving average sampled at the checkpoints; None = the plain mean.
+
+    Raises:
+      ValueError: no step, or ``weights`` is not one finite non-negative number per step
+        with a positive sum.
+    """
     if not steps:
         raise ValueError("average_params needs at least one step")
+    if weights is None:
+        weights = [1.0] * len(steps)
+    weights = [float(w) for w in weights]
+    if len(weights) != len(steps) or not all(math.isfinite(w) and w >= 0 for w in weights):
+        raise ValueError(
+            f"weights must be one finite non-negative number per step ({len(steps)} steps "
+            f"{list(steps)}); got {weights}"
+        )
+    if sum(weights) <= 0:
+        raise ValueError(f"weights must have a positive sum; got {weights}")
     total = None
-    for step in steps:
+    for step, weight in zip(steps, weights, strict=True):
         params = restore_params(checkpoint_dir, step, expected)
-        as64 = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
+        as64 = jax.tree_util.tree_map(lambda x, w=weight: np.asarray(x, np.float64) * w, params)
         total = as64 if total is None else jax.tree_util.tree_map(np.add, total, as64)
-    return jax.tree_util.tree_map(lambda t, e: (t / len(steps)).astype(e.dtype), total, expected)
+    norm = sum(weights)
+    return jax.tree_util.tree_map(lambda t, e: (t / norm).astype(e.dtype), total, expected)
 
 
 @contextlib.contextmanager

@@ -100,6 +100,32 @@ def test_checkpoint_averaging_is_the_elementwise_mean(workdir, translator):
         Translator.from_workdir(str(workdir), average=0)
 
 
+def test_weighted_checkpoint_averaging_is_the_weighted_mean(workdir, translator):
+    # An exponential moving average sampled at the checkpoints weighs the newer one more.
+    from flaxformer_lite.core.checkpoints import average_params
+
+    earlier = Translator.from_workdir(str(workdir), step=20)
+    checkpoints, expected = (
+        str(workdir / "checkpoints"),
+        Translator.abstract_params(translator.config),
+    )
+    weighted = average_params(checkpoints, [20, 40], expected, weights=[1.0, 3.0])
+    leaves = jax.tree_util.tree_leaves(weighted)
+    for w, a, b in zip(
+        leaves, *(jax.tree_util.tree_leaves(t.params) for t in (translator, earlier)), strict=True
+    ):
+        assert w.dtype == a.dtype
+        np.testing.assert_allclose(w, (3 * np.float64(a) + np.float64(b)) / 4, rtol=1e-6, atol=1e-7)
+    for bad, message in (
+        ([1.0], r"one finite non-negative number per step \(2 steps \[20, 40\]\)"),
+        ([1.0, -1.0], "one finite non-negative number per step"),
+        ([1.0, float("nan")], "one finite non-negative number per step"),
+        ([0.0, 0.0], "positive sum"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            average_params(checkpoints, [20, 40], expected, weights=bad)
+
+
 def test_the_runs_average_checkpoints_is_the_default(workdir, translator, tmp_path):
     # A copy of the run whose config.json asks for the mean of its last 2 checkpoints (the
     # recipe's choice, made on val): from_workdir and the evaluate CLI use it by default.
