@@ -241,10 +241,16 @@ class SubwordSampler:
     distribution); a BPE model drops each merge with probability ``alpha`` (BPE-dropout).
     Decoding is unchanged: every segmentation decodes to the same text.
 
-    SentencePiece samples with one process-global generator: creating a sampler reseeds it
-    with ``seed`` and encoding runs on one thread, so the segmentations drawn are a pure
-    function of ``(seed, alpha, the texts in the order encoded)`` -- the same on every host
-    and after a restart. (On several threads the draws depend on their scheduling.)
+    Creating a sampler sets SentencePiece's generator seed to ``seed`` and encoding runs on
+    one thread, so within one process the segmentations drawn are a pure function of
+    ``(seed, alpha, the texts in the order encoded)``. Across processes they are not:
+    SentencePiece 0.2.3 draws other segmentations for the same seed in every new process
+    (measured on 2026-11-28: two processes, seed 123, 300 sentences, every draw hash
+    different; ``nbest_size=64`` too). What keeps a run consistent is therefore its token
+    cache, not the seed: the draws are made once, by process 0, into the workdir
+    (``data.tasks.translation``), and every host, a resumed run and a rerun in that workdir
+    read them from there. A run from scratch in a new workdir with the same seed trains on
+    other segmentations, hence other updates.
     """
 
     def __init__(self, tokenizer: Tokenizer, alpha: float, seed: int) -> None:

@@ -5,7 +5,11 @@ the sampler is only trusted to draw other segmentations of it.
 """
 
 import collections
+import hashlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,7 +103,8 @@ def test_each_epoch_reads_one_segmentation_of_every_pair(corpus, sampled):
                 ids = [int(x) for x in batch["targets"][row] if x not in (PAD_ID, EOS_ID)]
                 assert ids == tokenizer.encode(td.eval_pairs[i][1])
 
-    # Another workdir draws the same segmentations (seeded by config.seed), and a stream
+    # Another workdir in this process draws the same segmentations (seeded by config.seed;
+    # a new process draws others: the next test), and a stream
     # restored mid-epoch continues as the uninterrupted one.
     fresh = build_translation_data(config, str(root / "elsewhere"))
     assert epoch_rows(fresh.train, 1) == epochs[1]
@@ -110,6 +115,49 @@ def test_each_epoch_reads_one_segmentation_of_every_pair(corpus, sampled):
     resumed = build_translation_data(config, str(root / "elsewhere")).train
     resumed.restore(fresh.train.state())
     assert_same_batches(first + take(resumed, len(uninterrupted) - len(first)), uninterrupted)
+
+
+# Epoch 1's batches (segmentation 1) of a workdir, hashed, in a fresh process.
+EPOCH_HASH = """
+import hashlib, sys
+import numpy as np
+from flaxformer_lite.data.tasks.translation import build_translation_data
+from tests.helpers.translation_data import translation_config
+
+data, work, samples = sys.argv[1:]
+config = translation_config(data, subword_alpha=0.3, subword_samples=int(samples))
+train = build_translation_data(config, work).train
+train.restore({"epoch": 1, "index": 0})
+digest = hashlib.sha256()
+for batch in train.epoch_batches():
+    for name in ("inputs", "targets"):
+        digest.update(np.ascontiguousarray(batch[name]).tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_a_new_process_trains_on_the_segmentations_its_workdir_drew(corpus, sampled):
+    # SentencePiece 0.2.3 draws other segmentations for the same seed in every new process,
+    # so a resumed run (or another host) must read the draws process 0 made into the
+    # workdir, not draw again: the token caches are what pin them.
+    root, _ = corpus
+    _, td = sampled
+    td.train.restore({"epoch": 1, "index": 0})
+    here = hashlib.sha256()
+    for batch in td.train.epoch_batches():
+        for name in ("inputs", "targets"):
+            here.update(np.ascontiguousarray(batch[name]).tobytes())
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", EPOCH_HASH, str(root / "data"), str(root / "work"), str(SAMPLES)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == here.hexdigest()
 
 
 def test_packed_rows_hold_each_sampled_pair_once(corpus):
