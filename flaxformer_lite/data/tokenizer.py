@@ -10,15 +10,18 @@ read (another vocabulary, e.g. Marian's, has other ids).
 from __future__ import annotations
 
 import io
+import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import sentencepiece as spm
 from etils import epath
 
 from flaxformer_lite.core import paths
 from flaxformer_lite.core.special_ids import BOS_ID, EOS_ID, PAD_ID, SPECIAL_PIECES, UNK_ID
+from flaxformer_lite.data import unigram_sampling
 
 __all__ = [
     "BOS_ID",
@@ -233,47 +236,107 @@ class Tokenizer:
 
 
 class SubwordSampler:
-    """Subword regularization (Kudo, 2018): a :class:`Tokenizer` whose :meth:`encode_batch`
-    draws one segmentation of each text instead of the most likely one.
+    """Subword regularization (Kudo, 2018): ``samples`` segmentations of each text drawn
+    instead of the most likely one, sample ``k`` read through :meth:`sample` (sample 0 also
+    through :meth:`encode_batch`).
 
     A unigram model samples from all segmentations with probabilities ``p(x) ** alpha``
     (smaller ``alpha``: flatter, more and shorter pieces; 1.0: the model's own
     distribution); a BPE model drops each merge with probability ``alpha`` (BPE-dropout).
     Decoding is unchanged: every segmentation decodes to the same text.
 
-    Creating a sampler sets SentencePiece's generator seed to ``seed`` and encoding runs on
-    one thread, so within one process the segmentations drawn are a pure function of
-    ``(seed, alpha, the texts in the order encoded)``. Across processes they are not:
-    SentencePiece 0.2.3 draws other segmentations for the same seed in every new process
-    (measured on 2026-11-28: two processes, seed 123, 300 sentences, every draw hash
-    different; ``nbest_size=64`` too). What keeps a run consistent is therefore its token
-    cache, not the seed: the draws are made once, by process 0, into the workdir
-    (``data.tasks.translation``), and every host, a resumed run and a rerun in that workdir
-    read them from there. A run from scratch in a new workdir with the same seed trains on
-    other segmentations, hence other updates.
+    Unigram models are sampled by :mod:`~flaxformer_lite.data.unigram_sampling` with NumPy
+    generators (sample ``k``: ``numpy.random.default_rng([seed, k])``, over the texts in the
+    order given): the draws are a pure function of ``(model, alpha, seed, k, texts)`` in every
+    process, so a run from scratch with the same seed trains on the same segmentations. All
+    samples of a list of texts are drawn in one pass (the lattice of each text is built
+    once) and kept for the last two lists given (a translation pair's two sides).
+    BPE-dropout is SentencePiece's own (``set_random_generator_seed`` per sample), which
+    SentencePiece 0.2.3 does not reproduce across processes (it draws other segmentations for
+    the same seed in every new process); a run's token caches keep its draws
+    (``data.tasks.translation``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, alpha: float, seed: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, alpha: float, seed: int, samples: int = 1) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1]; got {alpha!r}")
+        if samples < 1:
+            raise ValueError(f"samples must be >= 1; got {samples!r}")
         self.tokenizer = tokenizer
         self.alpha = alpha
-        spm.set_random_generator_seed(seed)
+        self.seed = seed
+        self.samples = samples
+        try:
+            self._table = unigram_sampling.PieceTable.from_processor(tokenizer._sp)
+        except unigram_sampling.NotUnigram:
+            self._table = None  # BPE: SentencePiece's dropout
+        # texts -> per sample, (flat ids [total], offsets [len(texts) + 1])
+        self._drawn: dict[tuple[str, ...], list[tuple[np.ndarray, np.ndarray]]] = {}
 
     @property
     def eos_id(self) -> int:
         return self.tokenizer.eos_id
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """One sampled segmentation (ids, no BOS/EOS) of each text, in order."""
-        return self.tokenizer._sp.encode(
-            list(texts),
-            out_type=int,
-            enable_sampling=True,
-            alpha=self.alpha,
-            nbest_size=-1,  # unigram: sample from every segmentation (Kudo's l = infinity)
-            num_threads=1,
-        )
+        """Sample 0: one drawn segmentation (ids, no BOS/EOS) of each text, in order."""
+        return self.sample(0).encode_batch(texts)
+
+    def sample(self, k: int) -> _Sample:
+        """A tokenizer whose ``encode_batch`` gives sample ``k`` of the texts."""
+        if not 0 <= k < self.samples:
+            raise ValueError(f"sample must be in [0, {self.samples}); got {k!r}")
+        return _Sample(self, k)
+
+    def draws(self, texts: Sequence[str], k: int) -> list[list[int]]:
+        """Sample ``k`` of ``texts``: drawn with every other sample on the first request."""
+        key = tuple(texts)
+        if key not in self._drawn:
+            if len(self._drawn) == 2:
+                del self._drawn[next(iter(self._drawn))]
+            self._drawn[key] = [_flat(d) for d in self._draw_all(key)]
+        flat, offsets = self._drawn[key][k]
+        return [flat[a:b].tolist() for a, b in itertools.pairwise(offsets)]
+
+    def _draw_all(self, texts: Sequence[str]) -> list[list[list[int]]]:
+        if self._table is not None:
+            rngs = [np.random.default_rng([self.seed, k]) for k in range(self.samples)]
+            return unigram_sampling.sample_batch(
+                self.tokenizer._sp, self._table, texts, self.alpha, rngs
+            )
+        draws = []
+        for k in range(self.samples):
+            seed = np.random.SeedSequence([self.seed, k]).generate_state(1)[0]
+            spm.set_random_generator_seed(int(seed))
+            draws.append(
+                self.tokenizer._sp.encode(
+                    list(texts),
+                    out_type=int,
+                    enable_sampling=True,
+                    alpha=self.alpha,
+                    num_threads=1,
+                )  # fmt: skip
+            )
+        return draws
+
+
+class _Sample:
+    """Sample ``k`` of a :class:`SubwordSampler`, used where a tokenizer encodes."""
+
+    def __init__(self, sampler: SubwordSampler, k: int) -> None:
+        self._sampler, self._k = sampler, k
+
+    @property
+    def eos_id(self) -> int:
+        return self._sampler.eos_id
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sampler.draws(texts, self._k)
+
+
+def _flat(draws: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(draws) + 1, np.int64)
+    np.cumsum([len(d) for d in draws], out=offsets[1:])
+    return np.fromiter(itertools.chain.from_iterable(draws), np.int32, offsets[-1]), offsets
 
 
 def load_or_train(

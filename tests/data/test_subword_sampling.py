@@ -103,9 +103,8 @@ def test_each_epoch_reads_one_segmentation_of_every_pair(corpus, sampled):
                 ids = [int(x) for x in batch["targets"][row] if x not in (PAD_ID, EOS_ID)]
                 assert ids == tokenizer.encode(td.eval_pairs[i][1])
 
-    # Another workdir in this process draws the same segmentations (seeded by config.seed;
-    # a new process draws others: the next test), and a stream
-    # restored mid-epoch continues as the uninterrupted one.
+    # Another workdir draws the same segmentations (seeded by config.seed; in a new process
+    # too: the next test), and a stream restored mid-epoch continues as the uninterrupted one.
     fresh = build_translation_data(config, str(root / "elsewhere"))
     assert epoch_rows(fresh.train, 1) == epochs[1]
     td.train.restore({"epoch": 0, "index": 0})
@@ -136,10 +135,13 @@ print(digest.hexdigest())
 """
 
 
-def test_a_new_process_trains_on_the_segmentations_its_workdir_drew(corpus, sampled):
-    # SentencePiece 0.2.3 draws other segmentations for the same seed in every new process,
-    # so a resumed run (or another host) must read the draws process 0 made into the
-    # workdir, not draw again: the token caches are what pin them.
+def test_a_new_process_draws_the_same_segmentations_in_its_workdir_and_in_a_new_one(
+    corpus, sampled
+):
+    """A resumed run or another host reads the workdir's token caches; a run from scratch in
+    a new workdir, in a new process, draws them again from the seed: both see the batches
+    this process built. (SentencePiece 0.2.3's own sampler draws other segmentations for the
+    same seed in every new process: the unigram sampler is NumPy's, unigram_sampling.)"""
     root, _ = corpus
     _, td = sampled
     td.train.restore({"epoch": 1, "index": 0})
@@ -152,12 +154,14 @@ def test_a_new_process_trains_on_the_segmentations_its_workdir_drew(corpus, samp
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
     }
-    done = subprocess.run(
-        [sys.executable, "-c", EPOCH_HASH, str(root / "data"), str(root / "work"), str(SAMPLES)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-1] == here.hexdigest()
+    for work in (root / "work", root / "from_scratch"):
+        done = subprocess.run(
+            [sys.executable, "-c", EPOCH_HASH, str(root / "data"), str(work), str(SAMPLES)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split()[-1] == here.hexdigest(), work
+    assert len(os.listdir(root / "from_scratch" / "data_cache")) == SAMPLES  # drawn there
 
 
 def test_packed_rows_hold_each_sampled_pair_once(corpus):

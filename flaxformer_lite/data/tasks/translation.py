@@ -323,11 +323,9 @@ def _token_cache_dir(
     return os.path.join(workdir, CACHE_DIR, f"{config.train_split}-{digest}"), key
 
 
-def _samplers(
-    config: Any, vocab: _Vocabulary, sample: int
-) -> tuple[SubwordSampler, SubwordSampler]:
-    """The (source, target) tokenizers drawing segmentation ``sample`` (one sampler for a
-    shared vocabulary), seeded by ``(config.seed, sample)``."""
+def _samplers(config: Any, vocab: _Vocabulary) -> tuple[SubwordSampler, SubwordSampler]:
+    """The (source, target) samplers of ``config.subword_samples`` segmentations (one sampler
+    for a shared vocabulary), seeded by ``config.seed`` and the side."""
     if not isinstance(vocab.src_tokenizer, Tokenizer) or not isinstance(
         vocab.tgt_tokenizer, Tokenizer
     ):
@@ -336,12 +334,12 @@ def _samplers(
             f"vocabulary; this run uses a pretrained one ({type(vocab.src_tokenizer).__name__}): "
             "set config.subword_alpha=None"
         )
-    alpha, _ = subword_sampling(config)
-    seed = int(np.random.SeedSequence([config.seed, sample]).generate_state(1)[0])
-    src = SubwordSampler(vocab.src_tokenizer, alpha, seed)
+    alpha, samples = subword_sampling(config)
+    seeds = np.random.SeedSequence(config.seed).generate_state(2)
+    src = SubwordSampler(vocab.src_tokenizer, alpha, int(seeds[0]), samples)
     if vocab.tgt_tokenizer is vocab.src_tokenizer:
         return src, src
-    return src, SubwordSampler(vocab.tgt_tokenizer, alpha, seed + 1)
+    return src, SubwordSampler(vocab.tgt_tokenizer, alpha, int(seeds[1]), samples)
 
 
 def _encode_training_split(
@@ -350,11 +348,12 @@ def _encode_training_split(
     train: _TrainingSplit,
     vocab: _Vocabulary,
     sample: int | None = None,
+    samplers: tuple[SubwordSampler, SubwordSampler] | None = None,
 ) -> tuple[EncodedPairs, DataStats, str]:
     """The training split's tokens: process 0 encodes the split into the token cache unless a
     complete one exists; every process then memory-maps it (:func:`main_process_first`).
     ``sample``: the index of a sampled segmentation (subword regularization) instead of the
-    most likely one.
+    most likely one, drawn by ``samplers`` (source, target).
 
     Returns (examples, the split's counts, cache folder).
 
@@ -382,7 +381,7 @@ def _encode_training_split(
         if sample is None:
             src_tokenizer, tgt_tokenizer = vocab.src_tokenizer, vocab.tgt_tokenizer
         else:
-            src_tokenizer, tgt_tokenizer = _samplers(config, vocab, sample)
+            src_tokenizer, tgt_tokenizer = (s.sample(sample) for s in samplers)
         encoded = encode_pairs_to_arrays(
             train.pairs(stats),
             src_tokenizer,
@@ -414,7 +413,10 @@ def _encode_splits(config: Any, workdir: str, splits: _Splits, vocab: _Vocabular
     stays complete); their counts add to ``splits.eval_stats``."""
     sampling = subword_sampling(config)
     samples = [None] if sampling is None else list(range(sampling[1]))
-    encoded = [_encode_training_split(config, workdir, splits.train, vocab, k) for k in samples]
+    samplers = None if sampling is None else _samplers(config, vocab)
+    encoded = [
+        _encode_training_split(config, workdir, splits.train, vocab, k, samplers) for k in samples
+    ]
     (_, stats, cache_dir) = encoded[0]
     eval_examples = encode_pairs(
         splits.eval_pairs,
