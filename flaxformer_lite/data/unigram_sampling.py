@@ -44,14 +44,15 @@ class PieceTable:
     """A unigram model's pieces as the lattice needs them.
 
     ``pieces``: piece string -> (id, log-probability score), NORMAL pieces only;
-    ``lengths``: first character -> the lengths (in characters) of the pieces starting with
-    it, longest first; ``unk_id``/``unk_score``: the node of an uncovered character;
+    ``prefixes``: every prefix of a piece -> that piece's (id, score) if the prefix is a
+    piece itself, else None (the lattice stops extending a match where no piece goes on);
+    ``unk_id``/``unk_score``: the node of an uncovered character;
     ``byte_ids``: byte value -> id of its ``<0xXX>`` piece when the model has byte fallback,
     else empty.
     """
 
     pieces: dict[str, tuple[int, float]]
-    lengths: dict[str, tuple[int, ...]]
+    prefixes: dict[str, tuple[int, float] | None]
     unk_id: int
     unk_score: float
     byte_ids: dict[int, int]
@@ -81,12 +82,14 @@ class PieceTable:
                 )
         if not pieces:
             raise ValueError("the model has no NORMAL pieces to segment with")
-        by_first: dict[str, set[int]] = {}
+        prefixes: dict[str, tuple[int, float] | None] = {}
         for piece in pieces:
-            by_first.setdefault(piece[0], set()).add(len(piece))
+            for end in range(1, len(piece)):
+                prefixes.setdefault(piece[:end], None)
+        prefixes.update(pieces)
         return cls(
             pieces=pieces,
-            lengths={c: tuple(sorted(ls, reverse=True)) for c, ls in by_first.items()},
+            prefixes=prefixes,
             unk_id=processor.unk_id(),
             unk_score=min(score for _, score in pieces.values()) - UNK_PENALTY,
             byte_ids=byte_ids if proto.trainer_spec.byte_fallback else {},
@@ -99,16 +102,15 @@ def lattice(normalized: str, table: PieceTable) -> list[list[tuple[int, int, flo
     one-character piece covers character ``e - 1``."""
     n = len(normalized)
     ends: list[list[tuple[int, int, float]]] = [[] for _ in range(n + 1)]
-    pieces = table.pieces
+    prefixes, missing = table.prefixes, ()
     for start in range(n):
-        single = False
-        for length in table.lengths.get(normalized[start], ()):
-            if start + length <= n:
-                hit = pieces.get(normalized[start : start + length])
-                if hit is not None:
-                    ends[start + length].append((start, hit[0], hit[1]))
-                    single = single or length == 1
-        if not single:
+        for end in range(start + 1, n + 1):
+            hit = prefixes.get(normalized[start:end], missing)
+            if hit is missing:  # no piece starts with normalized[start:end]
+                break
+            if hit is not None:
+                ends[end].append((start, hit[0], hit[1]))
+        if not ends[start + 1] or ends[start + 1][-1][0] != start:
             ends[start + 1].append((start, table.unk_id, table.unk_score))
     return ends
 
