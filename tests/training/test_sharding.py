@@ -32,6 +32,7 @@ from helpers.runs import (
     free_port,
     run_train,
     saved_state,
+    train_here,
 )
 from helpers.small_disk import room_for, small_tmpfs
 
@@ -47,9 +48,9 @@ def assert_same_params(a, b, atol=1e-5):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The tiny run on one device."""
+    """The tiny run on one device (in this process: a subprocess would only add a start)."""
     workdir = tmp_path_factory.mktemp("one_device")
-    run_train(workdir)
+    train_here(workdir)
     return workdir
 
 
@@ -153,7 +154,7 @@ def two_processes(tmp_path_factory):
 
 
 def test_two_processes_match_one_and_their_checkpoint_restores_in_one(
-    reference, two_processes, tmp_path
+    reference, two_processes, tmp_path, capsys
 ):
     source, out = two_processes
     assert "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in out
@@ -165,8 +166,9 @@ def test_two_processes_match_one_and_their_checkpoint_restores_in_one(
     workdir = tmp_path / "copy"
     shutil.copytree(source, workdir)
     end = TWO_PROCESS_STEPS + 2
-    resumed = run_train(workdir, *TWO_PROCESS, f"--config.num_train_steps={end}")
-    assert f"resumed from step {TWO_PROCESS_STEPS}" in resumed.stdout
+    capsys.readouterr()
+    train_here(workdir, *TWO_PROCESS, f"--config.num_train_steps={end}")  # one process: this
+    assert f"resumed from step {TWO_PROCESS_STEPS}" in capsys.readouterr().out
     c, _ = saved_state(workdir)
     assert int(c["step"]) == end
 
