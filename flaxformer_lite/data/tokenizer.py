@@ -314,7 +314,7 @@ class SubwordSampler:
                     enable_sampling=True,
                     alpha=self.alpha,
                     num_threads=1,
-                )  # fmt: skip
+                )
             )
         return draws
 
