@@ -8,8 +8,10 @@ so the run decides its step count once, early, from its own measured pace:
    ``eval_every <= warmup_steps`` for the cosine schedule), and warmup does not depend on
    the last step: those updates are bit for bit those of a fixed-step run.
 2. There it measures the seconds per step since the first step compiled, evaluations,
-   logging and checkpoint saves included (they recur at the same cadence), and the
-   seconds already spent since the run started (data, vocabulary, compilation), and sets
+   logging and checkpoint saves included (they recur at the same cadence; train.py compiles
+   the eval step before the first step, so that its one-time compilation is not counted as a
+   recurring cost), and the seconds already spent since the run started (data, vocabulary,
+   compilation), and sets
    ``num_train_steps = step + (budget - spent) // seconds_per_step``.
 3. The decision is written to ``time_budget.json`` in the workdir; a resumed run reads it
    back, so an interrupted run ends at the same step, and its updates equal those of an

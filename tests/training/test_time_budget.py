@@ -43,12 +43,26 @@ def flat(workdir) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def budget_run(tmp_path_factory):
-    """A 1-minute budget on a clock of 1 s per reading."""
+    """A 1-minute budget on a clock of 1 s per reading. Also records, in order, each trace of
+    the eval step (what jit runs when it compiles it for a new shape) and each evaluation."""
     workdir = tmp_path_factory.mktemp("budget")
+    events = []
+
+    def eval_step(*args, **kwargs):
+        events.append("trace eval_step")
+        return real_eval_step(*args, **kwargs)
+
+    def evaluate(*args, **kwargs):
+        events.append("evaluate")
+        return real_evaluate(*args, **kwargs)
+
+    real_eval_step, real_evaluate = train.eval_step, train.evaluate
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train, "clock", TickClock(1.0))
+        patch.setattr(train, "eval_step", eval_step)
+        patch.setattr(train, "evaluate", evaluate)
         train.train_and_evaluate(tiny_config(time_budget_minutes=1.0), str(workdir))
-    return workdir, json.loads((workdir / time_budget.FILE).read_text())
+    return workdir, json.loads((workdir / time_budget.FILE).read_text()), events
 
 
 def test_steps_within_the_budget_by_hand():
@@ -87,7 +101,7 @@ def test_decide_measures_the_pace_after_compilation():
 
 
 def test_the_run_decides_after_its_first_evaluation_and_stops_there(budget_run):
-    workdir, decision = budget_run
+    workdir, decision, _ = budget_run
     assert decision["decided_at"] == EVAL_EVERY and decision["minutes"] == 1.0
     steps = decision["num_train_steps"]
     # Recompute the count from the recorded measurements by hand: 60 s budget.
@@ -108,8 +122,18 @@ def test_the_run_decides_after_its_first_evaluation_and_stops_there(budget_run):
     assert all(rates[s + 1] < rates[s] for s in range(EVAL_EVERY + 1, steps))
 
 
+def test_the_eval_step_compiles_before_the_steps_the_budget_times(budget_run):
+    # The pace is measured over the steps up to the first evaluation, that evaluation
+    # included: its compilation must come before, with the start-up, or the decision would
+    # count a one-time cost as one of every eval_every steps.
+    _, _, events = budget_run
+    assert "trace eval_step" in events and events.count("evaluate") >= 2, events
+    first = events.index("evaluate")
+    assert "trace eval_step" not in events[first:], events
+
+
 def test_a_budgeted_run_equals_a_fixed_step_run_of_its_length(budget_run, tmp_path):
-    workdir, decision = budget_run
+    workdir, decision, _ = budget_run
     fixed = tmp_path / "fixed"
     train.train_and_evaluate(tiny_config(num_train_steps=decision["num_train_steps"]), str(fixed))
     a, b = flat(workdir), flat(fixed)
@@ -119,7 +143,7 @@ def test_a_budgeted_run_equals_a_fixed_step_run_of_its_length(budget_run, tmp_pa
 
 
 def test_a_resumed_run_keeps_the_decided_step_count(budget_run, tmp_path, monkeypatch):
-    workdir, decision = budget_run
+    workdir, decision, _ = budget_run
     steps = decision["num_train_steps"]
     resumed = tmp_path / "resumed"
     config = tiny_config(time_budget_minutes=1.0)
