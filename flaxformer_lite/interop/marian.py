@@ -157,7 +157,8 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 #   router_z_loss_weight, attention_window_layers, relative_num_buckets,
 #   relative_max_distance; the Llama family's rope_theta, rope_scaling_factor,
 #   rope_low_freq_factor, rope_high_freq_factor, rope_original_max_len (rotary only, which
-#   is refused) and qkv_bias (inert: Marian has use_bias=True).
+#   is refused) and qkv_bias (inert: Marian has use_bias=True); word_dropout_rate (training
+#   only; Marian's config has no field for it).
 MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; MarianConfig has no field
 
 

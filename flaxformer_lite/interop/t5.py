@@ -226,7 +226,8 @@ def config_from_state(
 #   dropout_rate's, for all three; training only), learned_position_offset (learned
 #   positions are refused), dtype, param_dtype, attention_implementation, remat, scan_layers,
 #   num_classes, pooling, unk_id, sinusoid_layout (no sinusoids), the MoE sizes and weights,
-#   attention_window_layers, the Llama family's rope_* (rotary only, which is refused).
+#   attention_window_layers, the Llama family's rope_* (rotary only, which is refused),
+#   word_dropout_rate (training only).
 def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str]:
     """What keeps ``config`` from being written as a T5 model (empty when nothing)."""
     wanted = {

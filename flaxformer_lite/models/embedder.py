@@ -31,9 +31,9 @@ def make_embedding(
 
 
 class Embedder(nn.Module):
-    """Token embedding (scaled by sqrt(d_model) unless ``scale_embeddings=False``) + absolute
-    positions (+ the ``embedding_norm``) + dropout: int `[batch, length]` -> `[batch, length,
-    d_model]`."""
+    """Token embedding (scaled by sqrt(d_model) unless ``scale_embeddings=False``; whole rows
+    dropped at ``word_dropout_rate`` in training) + absolute positions (+ the
+    ``embedding_norm``) + dropout: int `[batch, length]` -> `[batch, length, d_model]`."""
 
     config: TransformerConfig
     embedding: Embed
@@ -42,6 +42,11 @@ class Embedder(nn.Module):
     def __call__(self, tokens: Array, positions: Array, *, deterministic: bool) -> Array:
         cfg = self.config
         x = self.embedding(tokens)
+        if cfg.word_dropout_rate > 0:
+            # One draw per token, broadcast over d_model: whole rows dropped.
+            x = nn.Dropout(
+                cfg.word_dropout_rate, broadcast_dims=(x.ndim - 1,), name="word_dropout"
+            )(x, deterministic=deterministic)
         if cfg.position == "sinusoidal":
             x = pos_lib.add_sinusoidal(x, positions, cfg.max_len, cfg.sinusoid_layout)
         elif cfg.position == "learned":

@@ -168,6 +168,11 @@ class TransformerConfig:
       scale_decoder_output: multiply the decoder's final output by d_model**-0.5 before the
         output projection (T5 v1.0, whose tied embedding table makes the logits; Hugging Face's
         ``scale_decoder_outputs``). False: the paper's and every other model's logits.
+    Low-resource regularization (defaults leave every model as it was):
+      word_dropout_rate: word dropout (Gal & Ghahramani 2016; Sennrich & Zhang 2019): each
+        input token's whole embedding row zeroed with this probability, the kept rows scaled
+        by 1 / (1 - rate), before positions are added, in every stack (the encoder's source
+        tokens, the decoder's shifted target tokens); training only.
     """
 
     vocab_size: int = 37000
@@ -230,6 +235,8 @@ class TransformerConfig:
     # T5 (issue 25, interop/t5.py).
     scale_attention_logits: bool = True
     scale_decoder_output: bool = False
+    # Low-resource regularization.
+    word_dropout_rate: float = 0.0
 
     def __post_init__(self) -> None:
         # Grouped by concern, each group checking its fields' types before their values; a
@@ -290,7 +297,10 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"TransformerConfig.{name} must be a bool; got {value!r}")
-        rates = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate")
+        rates = (
+            "dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
+            "word_dropout_rate",
+        )  # fmt: skip
         for name in (*rates, "layer_norm_epsilon"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):

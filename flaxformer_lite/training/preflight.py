@@ -532,7 +532,10 @@ def _check_model(config: Any, vocab_size: int, max_len: int) -> None:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model: {e}") from None
     if config.get("rdrop_alpha", 0.0) > 0:
-        rates = ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate")
+        rates = (
+            "dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
+            "word_dropout_rate",
+        )  # fmt: skip
         if not any(getattr(cfg, r) > 0 for r in rates):
             raise ConfigError(
                 f"config.rdrop_alpha={config.rdrop_alpha} needs dropout: with "

@@ -115,7 +115,8 @@ def _set(config, key: str, value):
             "rdrop_alpha",
             5.0,
             r"^config\.rdrop_alpha=5\.0 needs dropout: with config\.model\.dropout_rate/"
-            r"attention_dropout_rate/activation_dropout_rate all 0 .*config\.rdrop_alpha=0$",
+            r"attention_dropout_rate/activation_dropout_rate/word_dropout_rate all 0 "
+            r".*config\.rdrop_alpha=0$",
         ),
         ("grad_accum_steps", 0, r"config\.grad_accum_steps must be a positive integer; got 0"),
         (
