@@ -48,27 +48,22 @@ IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 SPEC = dict(batch=32, length=64, vocab=8000)  # configs/multi30k.py: packed rows of 64
 
 
-def multi30k_model() -> EncoderDecoder:
+def multi30k_model(**overrides) -> EncoderDecoder:
+    """configs/multi30k.py's model; ``overrides``: TransformerConfig fields to change."""
     return EncoderDecoder(
         TransformerConfig(
             vocab_size=SPEC["vocab"], d_model=128, num_heads=4, d_ff=176,
             num_encoder_layers=4, num_decoder_layers=4, dropout_rate=0.2,
             attention_dropout_rate=0.1, max_len=SPEC["length"], position="rotary",
-            activation="swiglu",
+            activation="swiglu", **overrides,
         )
     )  # fmt: skip
 
 
-def compile_variant(impl: str, model, params, batch):
-    """``run(n)``: n train steps whose dropout keys come from ``impl``."""
-    default_forward = train.forward
-
-    def forward(model, kind, params, batch, *, deterministic, rng=None):
-        if rng is not None and impl != "threefry2x32":
-            words = jax.random.bits(rng, (4,), jnp.uint32)  # an rbg key holds 4 words
-            rng = jax.random.wrap_key_data(words, impl=impl)
-        return default_forward(model, kind, params, batch, deterministic=deterministic, rng=rng)
-
+def compile_step(model, params, batch, forward=None):
+    """``run(n)``: n train steps (train.py's, AdamW) of ``model`` from a copy of ``params``
+    on ``batch``, the last step's smoothed KL returned; ``forward``: traced in place of
+    ``train.forward`` (this process only)."""
     tx = optax.adamw(1e-4, weight_decay=0.3)
     state = train.TrainState(
         step=jnp.array(0, jnp.int32), params=jax.tree_util.tree_map(jnp.copy, params),
@@ -81,7 +76,8 @@ def compile_variant(impl: str, model, params, batch):
         ),
         donate_argnums=(0,),
     )  # fmt: skip
-    train.forward = forward
+    default_forward = train.forward
+    train.forward = forward or default_forward
     try:
         compiled = step.lower(state, batch).compile()
     finally:
@@ -94,6 +90,32 @@ def compile_variant(impl: str, model, params, batch):
         return float(metrics["smoothed_kl"])
 
     return run
+
+
+def interleaved_seconds(runs: dict, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Seconds per step of each ``runs[name](steps)``, one entry per round, the order of the
+    variants reversed every other round."""
+    names = list(runs)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            runs[name](steps)
+            seconds[name].append((time.perf_counter() - t0) / steps)
+    return seconds
+
+
+def compile_variant(impl: str, model, params, batch):
+    """``run(n)``: n train steps whose dropout keys come from ``impl``."""
+
+    def forward(model, kind, params, batch, *, deterministic, rng=None):
+        if rng is not None and impl != "threefry2x32":
+            words = jax.random.bits(rng, (4,), jnp.uint32)  # an rbg key holds 4 words
+            rng = jax.random.wrap_key_data(words, impl=impl)
+        return default_forward(model, kind, params, batch, deterministic=deterministic, rng=rng)
+
+    default_forward = train.forward
+    return compile_step(model, params, batch, forward)
 
 
 def main() -> None:
@@ -114,12 +136,7 @@ def main() -> None:
     runs = {impl: compile_variant(impl, model, params, batch) for impl in IMPLS}
     for run in runs.values():
         run(2)  # warm-up
-    seconds: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    for r in range(args.rounds):
-        for impl in IMPLS if r % 2 == 0 else IMPLS[::-1]:
-            t0 = time.perf_counter()
-            runs[impl](args.steps)
-            seconds[impl].append((time.perf_counter() - t0) / args.steps)
+    seconds = interleaved_seconds(runs, args.rounds, args.steps)
     base = float(np.median(seconds["threefry2x32"]))
     rows = []
     for impl in IMPLS:
