@@ -25,6 +25,13 @@ SINUSOID_LAYOUTS = ("interleaved", "halves")
 DTYPES = ("float32", "bfloat16", "float16")
 POOLINGS = ("mean", "first", "attention")
 ATTENTION_WINDOW_LAYERS = ("both", "encoder", "decoder")
+# The dropout rates, each a number in [0, 1) that only training reads.
+DROPOUT_RATES = (
+    "dropout_rate",
+    "attention_dropout_rate",
+    "activation_dropout_rate",
+    "word_dropout_rate",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,10 +304,7 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"TransformerConfig.{name} must be a bool; got {value!r}")
-        rates = (
-            "dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
-            "word_dropout_rate",
-        )  # fmt: skip
+        rates = DROPOUT_RATES
         for name in (*rates, "layer_norm_epsilon"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):

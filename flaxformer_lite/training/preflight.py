@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flaxformer_lite.core import paths
-from flaxformer_lite.nn.config import TransformerConfig
+from flaxformer_lite.nn.config import DROPOUT_RATES, TransformerConfig
 from flaxformer_lite.training import optim, time_budget
 
 
@@ -532,10 +532,7 @@ def _check_model(config: Any, vocab_size: int, max_len: int) -> None:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model: {e}") from None
     if config.get("rdrop_alpha", 0.0) > 0:
-        rates = (
-            "dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
-            "word_dropout_rate",
-        )  # fmt: skip
+        rates = DROPOUT_RATES
         if not any(getattr(cfg, r) > 0 for r in rates):
             raise ConfigError(
                 f"config.rdrop_alpha={config.rdrop_alpha} needs dropout: with "

@@ -11,8 +11,7 @@ so the run decides its step count once, early, from its own measured pace:
    logging and checkpoint saves included (they recur at the same cadence; train.py compiles
    the eval step before the first step, so that its one-time compilation is not counted as a
    recurring cost), and the seconds already spent since the run started (data, vocabulary,
-   compilation), and sets
-   ``num_train_steps = step + (budget - spent) // seconds_per_step``.
+   compilation), and sets ``num_train_steps = step + (budget - spent) // seconds_per_step``.
 3. The decision is written to ``time_budget.json`` in the workdir; a resumed run reads it
    back, so an interrupted run ends at the same step, and its updates equal those of an
    uninterrupted run (and of a fixed-step run with that ``num_train_steps``).
