@@ -50,14 +50,13 @@ SPEC = dict(batch=32, length=64, vocab=8000)  # configs/multi30k.py: packed rows
 
 def multi30k_model(**overrides) -> EncoderDecoder:
     """configs/multi30k.py's model; ``overrides``: TransformerConfig fields to change."""
-    return EncoderDecoder(
-        TransformerConfig(
-            vocab_size=SPEC["vocab"], d_model=128, num_heads=4, d_ff=176,
-            num_encoder_layers=4, num_decoder_layers=4, dropout_rate=0.2,
-            attention_dropout_rate=0.1, max_len=SPEC["length"], position="rotary",
-            activation="swiglu", **overrides,
-        )
+    fields = dict(
+        vocab_size=SPEC["vocab"], d_model=128, num_heads=4, d_ff=176,
+        num_encoder_layers=4, num_decoder_layers=4, dropout_rate=0.2,
+        attention_dropout_rate=0.1, max_len=SPEC["length"], position="rotary",
+        activation="swiglu",
     )  # fmt: skip
+    return EncoderDecoder(TransformerConfig(**{**fields, **overrides}))
 
 
 def compile_step(model, params, batch, forward=None):

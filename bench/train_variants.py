@@ -1,0 +1,104 @@
+"""The Multi30k train step under changes to its model, each as a ratio to the config's own step,
+interleaved in one process: issue 28's "faster steps" levers (a faster step is more steps in
+the hour), measured before a run is spent on one.
+
+The step is train.py's ``train_step`` on ``configs/multi30k.py``'s model and batch shape (the
+model of bench/dropout_rng.py: d_model 128, SwiGLU 176, 4+4 layers, rotary positions, dropout
+0.2, attention dropout 0.1; 32 rows of 64 tokens), AdamW, label smoothing 0.1, on one device.
+The variants (``VARIANTS``: ``TransformerConfig`` fields changed):
+
+- ``bfloat16``: ``dtype="bfloat16"`` compute (the parameters and Adam's moments stay float32;
+  softmax and loss float32), "bf16 where the CPU has it";
+- ``attention_dropout_0``: no dropout on the attention probabilities (one random bit per
+  [batch, heads, query, key] entry of every attention block otherwise).
+
+Each is compiled from the same initial parameters, warmed up, then timed in rounds (order
+reversed every other round); seconds per step are medians over rounds. The first step's
+smoothed KL (summed over the batch's tokens) of each is printed beside: bfloat16's differs from
+the config's by rounding only, a dropout change's by its masks.
+
+    .venv/bin/python bench/train_variants.py              # 5 rounds of 10 steps, ~3 min
+    .venv/bin/python bench/train_variants.py --quick      # 2 rounds of 2 steps: a smoke test
+
+Writes bench/results/train_variants.json (train_variants_quick.json with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import train_step  # noqa: E402  (bench/train_step.py: batch and init helpers)
+from dropout_rng import SPEC, compile_step, interleaved_seconds, multi30k_model  # noqa: E402
+from translate_speed import cpu_flags  # noqa: E402
+
+VARIANTS = {
+    "config": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "attention_dropout_0": {"attention_dropout_rate": 0.0},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps (a smoke test)")
+    parser.add_argument("--out", default=None, help="default: bench/results/train_variants.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 2, 2
+    name = "train_variants_quick.json" if args.quick else "train_variants.json"
+    args.out = args.out or str(HERE / "results" / name)
+
+    batch = {k: jnp.asarray(v) for k, v in train_step.make_batch(SPEC).items()}
+    params = train_step.init_params(multi30k_model(), batch)  # float32, shared by all
+    runs = {
+        name: compile_step(multi30k_model(**fields), params, batch)
+        for name, fields in VARIANTS.items()
+    }
+    first_loss = {name: run(1) for name, run in runs.items()}
+    for run in runs.values():
+        run(1)  # warm-up
+    seconds = interleaved_seconds(runs, args.rounds, args.steps)
+    base = float(np.median(seconds["config"]))
+    rows = []
+    for name, fields in VARIANTS.items():
+        median = float(np.median(seconds[name]))
+        rows.append(
+            {
+                "variant": name,
+                "fields": fields,
+                "seconds_per_step": median,
+                "speed_vs_config": base / median,
+                "first_step_smoothed_kl_sum": first_loss[name],
+            }
+        )
+        print(
+            f"{name:20s} {1000 * median:7.1f} ms/step   speed {base / median:.3f}x the config's"
+            f"   first-step KL sum {first_loss[name]:.1f}"
+        )
+    record = {
+        "machine": cpu_flags(),
+        "jax": jax.__version__,
+        "devices": jax.device_count(),
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
