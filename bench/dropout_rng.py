@@ -25,7 +25,6 @@ import argparse
 import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -38,6 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import train_step  # noqa: E402  (bench/train_step.py: batch and init helpers)
+from levers import interleaved  # noqa: E402  (bench/levers.py: alternating-order timing)
 from translate_speed import cpu_flags  # noqa: E402
 
 import train  # noqa: E402
@@ -91,19 +91,6 @@ def compile_step(model, params, batch, forward=None):
     return run
 
 
-def interleaved_seconds(runs: dict, rounds: int, steps: int) -> dict[str, list[float]]:
-    """Seconds per step of each ``runs[name](steps)``, one entry per round, the order of the
-    variants reversed every other round."""
-    names = list(runs)
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
-            runs[name](steps)
-            seconds[name].append((time.perf_counter() - t0) / steps)
-    return seconds
-
-
 def compile_variant(impl: str, model, params, batch):
     """``run(n)``: n train steps whose dropout keys come from ``impl``."""
 
@@ -135,7 +122,7 @@ def main() -> None:
     runs = {impl: compile_variant(impl, model, params, batch) for impl in IMPLS}
     for run in runs.values():
         run(2)  # warm-up
-    seconds = interleaved_seconds(runs, args.rounds, args.steps)
+    seconds = interleaved(runs, args.rounds, args.steps)
     base = float(np.median(seconds["threefry2x32"]))
     rows = []
     for impl in IMPLS:

@@ -39,7 +39,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import train_step  # noqa: E402  (bench/train_step.py: batch and init helpers)
-from dropout_rng import SPEC, compile_step, interleaved_seconds, multi30k_model  # noqa: E402
+from dropout_rng import SPEC, compile_step, multi30k_model  # noqa: E402
+from levers import interleaved  # noqa: E402
 from translate_speed import cpu_flags  # noqa: E402
 
 VARIANTS = {
@@ -70,7 +71,7 @@ def main() -> None:
     first_loss = {name: run(1) for name, run in runs.items()}
     for run in runs.values():
         run(1)  # warm-up
-    seconds = interleaved_seconds(runs, args.rounds, args.steps)
+    seconds = interleaved(runs, args.rounds, args.steps)
     base = float(np.median(seconds["config"]))
     rows = []
     for name, fields in VARIANTS.items():
