@@ -53,12 +53,17 @@ def score(translator: Translator, sources, references, *, beam_size: int, alpha:
     }
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, data_help: str) -> None:
-    """--workdir, --data and the two languages: what every Multi30k scoring script reads."""
-    parser.add_argument("--workdir", required=True)
+def add_data_arguments(parser: argparse.ArgumentParser, data_help: str) -> None:
+    """--data and the two languages: where every Multi30k scoring script reads its text."""
     parser.add_argument("--data", required=True, help=data_help)
     parser.add_argument("--source_lang", default="en")
     parser.add_argument("--target_lang", default="de")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, data_help: str) -> None:
+    """--workdir and add_data_arguments': what a script scoring one run reads."""
+    parser.add_argument("--workdir", required=True)
+    add_data_arguments(parser, data_help)
 
 
 def main() -> None:

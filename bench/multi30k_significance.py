@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 
-from multi30k_select import read_lines  # bench/, the script's folder
+from multi30k_select import add_data_arguments, read_lines  # bench/, the script's folder
 from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 
@@ -26,12 +26,10 @@ from flaxformer_lite.inference.translator import Translator
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, help="folder with val.<source> and val.<target>")
     parser.add_argument(
         "--workdirs", nargs="+", required=True, help="runs to compare; the first is the baseline"
     )
-    parser.add_argument("--source_lang", default="en")
-    parser.add_argument("--target_lang", default="de")
+    add_data_arguments(parser, "folder with val.<source> and val.<target>")
     parser.add_argument("--beam_size", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=1.4)
     parser.add_argument("--samples", type=int, default=1000, help="bootstrap resamplings")
@@ -41,7 +39,8 @@ def main() -> None:
         parser.error(f"--workdirs needs a baseline and at least one run; got {args.workdirs}")
 
     sources = read_lines(os.path.join(args.data, f"val.{args.source_lang}"))
-    references = [" ".join(r.split()) for r in read_lines(f"{args.data}/val.{args.target_lang}")]
+    references = read_lines(os.path.join(args.data, f"val.{args.target_lang}"))
+    references = [" ".join(r.split()) for r in references]
     systems = []
     for workdir in args.workdirs:
         translator = Translator.from_workdir(workdir)
