@@ -64,8 +64,8 @@ def get_config():
         # Attention dropout 0 makes a step 1.12-1.20x as fast and ended two runs at the lowest val
         # KL yet (1.252 / 1.253) but at val BLEU 43.73 / 42.96, not past 43.79; with activation
         # dropout 0.1 or 0.2 in its place, val 43.49 / 43.37 in the hour, and 0.1's second seed
-        # 43.04: their mean, 43.27, is 0.24 over the config's two hours, less than a seed moves it
-        # (docs/results.md).
+        # 43.04: their mean, 43.27, is 0.51 over the config's three runs (seeds 0, 0, 1: 43.25,
+        # 42.81, 42.21); a third seed per arm decides (docs/results.md).
         attention_dropout_rate=0.1,
         norm_position="pre",
         # Rotary positions instead of the paper's sinusoids: val BLEU 43.00 against 41.99-42.58
