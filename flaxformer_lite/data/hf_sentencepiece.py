@@ -12,8 +12,9 @@ SentencePiece cuts the text into pieces; what each family adds around it is here
 - **mBART** (``sentencepiece.bpe.model``): fairseq's ids, SentencePiece's shifted by one after
   ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3, then the 25 language codes and ``<mask>``; a
   source ends with ``</s>`` and its ``src_lang`` code, a target with ``</s>`` and ``tgt_lang``'s.
-  transformers 5 scores mBART's pieces as a unigram model over whitespace-split words with no
-  normalization, and so does this (the model's normalizer and type are overridden to match).
+  transformers 5.25 (the version tested) scores mBART's pieces as a unigram model over
+  whitespace-split words after the model's own normalizer (nmt_nfkc, as fairseq), and so does
+  this (the model's type is overridden to match; earlier 5.x releases normalized nothing).
 
 Special tokens written in the text (``</s>``, ``<extra_id_3>``, ``en_XX``, ...) are matched whole,
 as transformers matches its added tokens; ``decode`` skips them.
@@ -269,12 +270,9 @@ class MBartSentencePiece(SentencePieceTokenizer):
             "pad": "<pad>",
             "mask": "<mask>",
         }
-        # transformers 5 scores the pieces as a unigram model and normalizes nothing.
-        self._sp = spm.SentencePieceProcessor(
-            model_proto=edited_model(
-                self._model, unigram=True, name="identity", precompiled_charsmap=b""
-            )
-        )
+        # transformers 5.25 (as fairseq) scores the pieces as a unigram model after the model's
+        # own normalizer (nmt_nfkc: full-width "ｆｕｌｌ" reads "full").
+        self._sp = spm.SentencePieceProcessor(model_proto=edited_model(self._model, unigram=True))
         self._base = self._sp.get_piece_size() + 1  # the first id after the pieces
         codes = {code: self._base + k for k, code in enumerate(MBART_LANGUAGE_CODES)}
         self._fixed = {t: i for i, t in enumerate(self.FAIRSEQ_SPECIAL)}
