@@ -48,6 +48,10 @@ def get_config():
     # (docs/results.md).
     c.subword_alpha = 0.5
     c.subword_samples = 8
+    # Bidirectional training (Ding et al., 2021), 0 = off: the first K epochs also train every
+    # pair reversed (German -> English; one vocabulary, one model), each such epoch twice as
+    # long, then the rest of the run English -> German alone.
+    c.bidirectional_epochs = 0
 
     # A "tiny" Transformer (4+4 layers, d_model 128, d_ff 256 or SwiGLU's equal 176, below), tied
     # and shared embeddings: the size published text-only baselines use on Multi30k, and three

@@ -168,6 +168,13 @@ class EncodedPairs:
             arrays += [np.concatenate([np.zeros((0,), np.int32), *tokens]), np.concatenate(offsets)]
         return cls(*arrays)
 
+    def swapped(self) -> EncodedPairs:
+        """The same pairs the other way round: example ``i``'s targets as inputs and its
+        inputs as targets (the arrays shared, not copied)."""
+        return EncodedPairs(
+            self.targets_tokens, self.targets_offsets, self.inputs_tokens, self.inputs_offsets
+        )
+
     def __len__(self) -> int:
         return len(self.inputs_offsets) - 1
 

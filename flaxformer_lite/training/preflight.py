@@ -77,6 +77,7 @@ TASK_KEYS: dict[str, tuple[str, ...]] = {
             " vocab_size shared_vocab spm_model_type max_len too_long packing tokens_per_batch"
             " batch_size_multiple beam_size alpha tokenizer tokenizer_src_lang tokenizer_tgt_lang"
             " beam_style early_stopping forced_eos ban_pad subword_alpha subword_samples"
+            " bidirectional_epochs"
         ).split()
     ),
     "lm": tuple(
@@ -421,6 +422,7 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
         subject = f"config.batch_size ({rows})"
     if task == "translation":
         _check_subword_sampling(config)
+        _check_bidirectional(config)
     if task == "lm":
         _number_in(config, "eval_fraction", 0.0, 1.0, "(0, 1)", open_low=True)
         _int_at_least(config, "eval_batches", 0, " (0 = all)")
@@ -456,6 +458,21 @@ def _check_subword_sampling(config: Any) -> None:
         raise ConfigError(
             f"config.subword_alpha needs config.spm_model_type 'unigram' or 'bpe' (a 'char' "
             f"model has one segmentation); got {config.spm_model_type!r}"
+        )
+
+
+def _check_bidirectional(config: Any) -> None:
+    """``bidirectional_epochs``: None or 0 (off), else a positive integer, with one vocabulary
+    the run trains itself (a reversed pair feeds target ids to the encoder)."""
+    if not config.get("bidirectional_epochs"):
+        return
+    _int_at_least(config, "bidirectional_epochs", 0, " (epochs that also train target -> source)")
+    if not config.shared_vocab or config.get("tokenizer"):
+        raise ConfigError(
+            "config.bidirectional_epochs trains reversed pairs, which needs one vocabulary for "
+            "both languages: config.shared_vocab=True and no config.tokenizer (got shared_vocab="
+            f"{config.shared_vocab!r}, tokenizer={config.get('tokenizer')!r}); or set "
+            "config.bidirectional_epochs=0"
         )
 
 

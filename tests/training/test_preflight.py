@@ -290,6 +290,43 @@ def test_subword_sampling_is_refused_with_a_pretrained_vocabulary():
     preflight.check_config(config, device_count=1)
 
 
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (
+            {"bidirectional_epochs": -1},
+            r"^config\.bidirectional_epochs must be an integer >= 0 \(epochs that also train "
+            r"target -> source\); got -1$",
+        ),
+        (
+            {"bidirectional_epochs": 6, "shared_vocab": False},
+            r"^config\.bidirectional_epochs trains reversed pairs, which needs one vocabulary "
+            r"for both languages: config\.shared_vocab=True and no config\.tokenizer \(got "
+            r"shared_vocab=False",
+        ),
+    ],
+)
+def test_bidirectional_training_settings_are_checked(changes, match):
+    config = load_config("multi30k")
+    config.update(changes)
+    with pytest.raises(ConfigError, match=match):
+        preflight.check_config(config, device_count=1)
+    config.update(bidirectional_epochs=6, shared_vocab=True)
+    preflight.check_config(config, device_count=1)
+
+
+def test_bidirectional_training_is_refused_with_a_pretrained_vocabulary():
+    config = load_config("finetune_marian")
+    config.init_from = "Helsinki-NLP/opus-mt-en-de"
+    with config.unlocked():
+        config.bidirectional_epochs = 3
+    with pytest.raises(ConfigError, match=r"tokenizer='Helsinki-NLP/opus-mt-en-de'\); or set "
+                       r"config\.bidirectional_epochs=0$"):  # fmt: skip
+        preflight.check_config(config, device_count=1)
+    config.bidirectional_epochs = 0
+    preflight.check_config(config, device_count=1)
+
+
 def test_batch_rows_must_split_over_the_data_devices():
     """Without devices to spare: the device count is an argument of the check."""
     config = two_step_config(batch_size=6)

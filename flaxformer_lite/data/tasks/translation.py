@@ -443,19 +443,31 @@ def _batch(
         config.seed,
     )
     variants = encoded.train_variants
-
-    def examples(epoch: int) -> EncodedPairs:
-        return variants[epoch % len(variants)]
+    bidirectional_epochs = getattr(config, "bidirectional_epochs", None) or 0
 
     @functools.cache
-    def lengths(epoch: int) -> tuple[np.ndarray, np.ndarray]:  # [examples] each, per variant
-        return examples(epoch).input_lengths, examples(epoch).target_lengths
+    def variant(index: int, both_ways: bool) -> EncodedPairs:
+        """Segmentation ``index``; ``both_ways``: its pairs followed by the same pairs
+        reversed (target -> source), in memory."""
+        pairs = variants[index]
+        return EncodedPairs.concatenate([pairs, pairs.swapped()]) if both_ways else pairs
+
+    def examples(epoch: int) -> EncodedPairs:
+        return variant(epoch % len(variants), epoch < bidirectional_epochs)
+
+    @functools.cache
+    def lengths(index: int, both_ways: bool) -> tuple[np.ndarray, np.ndarray]:  # [examples] each
+        pairs = variant(index, both_ways)
+        return pairs.input_lengths, pairs.target_lengths
+
+    def epoch_lengths(epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        return lengths(epoch % len(variants), epoch < bidirectional_epochs)
 
     if config.packing:
         rows = rows_for_length(max_len, tokens_per_batch, multiple)
 
         def make_plans(epoch: int) -> list[BatchPlan]:
-            in_len, tgt_len = lengths(epoch % len(variants))
+            in_len, tgt_len = epoch_lengths(epoch)
             return plan_packing(
                 in_len,
                 tgt_len,
@@ -469,7 +481,7 @@ def _batch(
 
         def make_plans(epoch: int) -> list[BatchPlan]:
             return plan_by_tokens(
-                np.maximum(*lengths(epoch % len(variants))),
+                np.maximum(*epoch_lengths(epoch)),
                 tokens_per_batch=tokens_per_batch,
                 boundaries=boundaries,
                 pad_id=pad_id,
@@ -482,10 +494,10 @@ def _batch(
         make_plans,
         process_index=process_index,
         process_count=process_count,
-        examples=examples if len(variants) > 1 else variants[0],
+        examples=examples if len(variants) > 1 or bidirectional_epochs else variants[0],
     )
     plans = train.epoch_plans()
-    tgt_len = lengths(0)[1]
+    tgt_len = epoch_lengths(0)[1]
     positions = sum(plan.rows * plan.length for plan in plans)
     real = sum(plan.target_tokens(tgt_len) for plan in plans)
     eval_batches = batch_by_tokens(
@@ -521,7 +533,8 @@ def build_translation_data(
     ``config`` needs the attributes: dataset, dataset_config, data_dir, data_format,
     source_lang, target_lang, train_split, eval_split, vocab_size, shared_vocab,
     spm_model_type, max_len, too_long, tokens_per_batch, batch_size_multiple, packing,
-    seed (optional: source_column, target_column, streaming, subword_alpha, subword_samples).
+    seed (optional: source_column, target_column, streaming, subword_alpha, subword_samples,
+    bidirectional_epochs).
 
     Several hosts: JAX process 0 does the one-off work and the others wait for it
     (:func:`main_process_first`). It trains the SentencePiece models on the training split
@@ -537,7 +550,10 @@ def build_translation_data(
     ``subword_alpha`` (subword regularization, :class:`SubwordSampler`): process 0 encodes
     ``subword_samples`` sampled segmentations of the training split instead of the most likely
     one, each its own token cache (the corpus is read once per segmentation), and epoch ``e``
-    reads segmentation ``e % subword_samples``.
+    reads segmentation ``e % subword_samples``. ``bidirectional_epochs`` = K > 0: epochs
+    ``0 .. K - 1`` train on every pair and on the same pair reversed (target -> source, one
+    vocabulary), each such epoch twice as long; later epochs on the pairs as given
+    (bidirectional training, Ding et al. 2021).
 
     Eval pairs are read first and encoded by every process (an eval split is small); they are
     always truncated, never dropped, so the eval set is complete.
@@ -618,6 +634,14 @@ def build(config: Any, workdir: str, process_index: int, process_count: int) -> 
                     f"the training split, epoch e reads segmentation e mod {sampling[1]}"
                 ]
                 if (sampling := subword_sampling(config))
+                else []
+            ),
+            *(
+                [
+                    f"bidirectional training: epochs 0-{k - 1} also train every pair reversed "
+                    f"({config.target_lang} -> {config.source_lang})"
+                ]
+                if (k := config.get("bidirectional_epochs"))
                 else []
             ),
         ],
