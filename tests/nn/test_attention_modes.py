@@ -194,13 +194,14 @@ def test_cached_decoding_with_rotary_equals_the_float64_forward(mode):
     shapes = jax.eval_shape(allocate, jax.random.key(0), x)["cache"]
     assert shapes["cached_key"].shape == (2, 2, slots, HEAD_DIM)
     cache = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    # Jitted as a decoder runs it: one program per query length, not every op on its own.
+    step = jax.jit(functools.partial(layer.apply, decode=True, mutable=["cache"]))
     outputs, start = [], 0
     for q_len in q_lens:
         positions = np.broadcast_to(np.arange(start, start + q_len), (2, q_len))
-        out, state = layer.apply(
-            {"params": params, "cache": cache}, x[:, start : start + q_len],
-            positions_q=positions, decode=True, mutable=["cache"],
-        )  # fmt: skip
+        out, state = step(
+            {"params": params, "cache": cache}, x[:, start : start + q_len], positions_q=positions
+        )
         cache, start = state["cache"], start + q_len
         outputs.append(out)
     np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, atol=ATOL, rtol=0)

@@ -70,28 +70,35 @@ def model_and_batch(kind="translation", **rates):
     targets = jnp.array([[4, 5, 2, 0, 0], [6, 7, 8, 9, 2], [10, 2, 0, 0, 0]], jnp.int32)
     if kind == "lm":
         model = DecoderOnly(cfg)
-        return model, model.init(jax.random.key(1), targets)["params"], {"targets": targets}
+        return (
+            model,
+            jax.jit(model.init)(jax.random.key(1), targets)["params"],
+            {"targets": targets},
+        )
     if kind == "classification":
         model = EncoderClassifier(cfg)
         batch = {"inputs": inputs, "label": jnp.array([0, 2, 1]), "weights": jnp.ones(3)}
-        return model, model.init(jax.random.key(1), inputs)["params"], batch
+        return model, jax.jit(model.init)(jax.random.key(1), inputs)["params"], batch
     model = EncoderDecoder(cfg)
-    params = model.init(jax.random.key(1), inputs, targets)["params"]
+    # Jitted, as train.py runs them: one program each instead of every op compiled on its own.
+    params = jax.jit(model.init)(jax.random.key(1), inputs, targets)["params"]
     return model, params, {"inputs": inputs, "targets": targets}
 
 
 def test_the_objective_is_the_mean_loss_of_two_passes_plus_half_alpha_times_their_kl():
     model, params, batch = model_and_batch(dropout_rate=0.3, attention_dropout_rate=0.2)
     rng, alpha, smoothing = jax.random.key(7), 5.0, 0.1
-    objective, sums = train.loss_sums(
-        model, "translation", smoothing, params, batch, deterministic=False, rng=rng,
-        rdrop_alpha=alpha,
-    )  # fmt: skip
+    objective, sums = jax.jit(
+        lambda p, b: train.loss_sums(
+            model, "translation", smoothing, p, b, deterministic=False, rng=rng,
+            rdrop_alpha=alpha,
+        )
+    )(params, batch)  # fmt: skip
     # The same forward pass by hand: every row twice in place, one dropout key.
     doubled = {k: np.repeat(np.asarray(v), 2, axis=0) for k, v in batch.items()}
-    logits, labels, weights, _ = train.forward(
-        model, "translation", params, doubled, deterministic=False, rng=rng
-    )
+    logits, labels, weights, _ = jax.jit(
+        lambda p, b: train.forward(model, "translation", p, b, deterministic=False, rng=rng)
+    )(params, doubled)
     logits, labels, weights = (np.asarray(x) for x in (logits, labels, weights))
     a, b = logits[0::2], logits[1::2]
     assert np.abs(a - b).max() > 0.1  # the copies saw different dropout masks
@@ -104,9 +111,11 @@ def test_the_objective_is_the_mean_loss_of_two_passes_plus_half_alpha_times_thei
     np.testing.assert_allclose(float(sums["rdrop_kl"]), consistency, rtol=1e-4)
     np.testing.assert_allclose(float(objective), mean_kl + alpha / 2 * consistency, rtol=1e-5)
     # Evaluation (deterministic) runs each row once and has no term.
-    _, eval_sums = train.loss_sums(
-        model, "translation", smoothing, params, batch, deterministic=True, rdrop_alpha=alpha
-    )
+    _, eval_sums = jax.jit(
+        lambda p, b: train.loss_sums(
+            model, "translation", smoothing, p, b, deterministic=True, rdrop_alpha=alpha
+        )
+    )(params, batch)
     assert "rdrop_kl" not in eval_sums and float(eval_sums["count"]) == tokens
 
 
