@@ -69,20 +69,17 @@ def model_and_batch(kind="translation", **rates):
     inputs = jnp.array([[5, 6, 7, 2, 0, 0], [8, 9, 2, 0, 0, 0], [3, 4, 5, 6, 7, 2]], jnp.int32)
     targets = jnp.array([[4, 5, 2, 0, 0], [6, 7, 8, 9, 2], [10, 2, 0, 0, 0]], jnp.int32)
     if kind == "lm":
-        model = DecoderOnly(cfg)
-        return (
-            model,
-            jax.jit(model.init)(jax.random.key(1), targets)["params"],
-            {"targets": targets},
-        )
-    if kind == "classification":
-        model = EncoderClassifier(cfg)
+        model, args, batch = DecoderOnly(cfg), (targets,), {"targets": targets}
+    elif kind == "classification":
+        model, args = EncoderClassifier(cfg), (inputs,)
         batch = {"inputs": inputs, "label": jnp.array([0, 2, 1]), "weights": jnp.ones(3)}
-        return model, jax.jit(model.init)(jax.random.key(1), inputs)["params"], batch
-    model = EncoderDecoder(cfg)
-    # Jitted, as train.py runs them: one program each instead of every op compiled on its own.
-    params = jax.jit(model.init)(jax.random.key(1), inputs, targets)["params"]
-    return model, params, {"inputs": inputs, "targets": targets}
+    else:
+        model, args = EncoderDecoder(cfg), (inputs, targets)
+        batch = {"inputs": inputs, "targets": targets}
+    # Jitted, as train.py runs it (so are the tests' losses): one program instead of every op
+    # compiled on its own.
+    params = jax.jit(model.init)(jax.random.key(1), *args)["params"]
+    return model, params, batch
 
 
 def test_the_objective_is_the_mean_loss_of_two_passes_plus_half_alpha_times_their_kl():
