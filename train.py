@@ -1038,8 +1038,12 @@ def train_in_workdir(config: Any, workdir: str, *, stop_at: int | None) -> dict[
     finally:
         bar.close()
         preemption.close()
-        run.writer.close()
-        checkpointer.close()  # last: raises a save failure it is the first to see
+        try:
+            checkpointer.close()  # waits for the last save; raises a failure it first sees
+        finally:
+            # After the last save: a run killed before its checkpoints are all written keeps
+            # its TensorBoard staging folder for the run that resumes it (MetricWriter).
+            run.writer.close()
     return eval_metrics
 
 
