@@ -14,7 +14,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.learning_rate = 1.0  # noam: multiplier of d_model^-0.5 * min(...); else the peak rate
     c.warmup_steps = 4000
     c.b1, c.b2, c.eps = 0.9, 0.98, 1e-9
-    c.weight_decay = 0.0  # adamw only: matrices and embeddings (optim.decayed)
+    c.weight_decay = 0.0  # adamw and muon: matrices and embeddings (optim.decayed)
     c.grad_clip_norm = 0.0  # 0 = off
     c.grad_accum_steps = 1
     c.label_smoothing = 0.1

@@ -13,7 +13,9 @@ import optax
 from flaxformer_lite.models import param_path
 
 SCHEDULES = ("noam", "cosine", "constant")
-OPTIMIZERS = ("adam", "adamw")
+OPTIMIZERS = ("adam", "adamw", "muon")
+MUON_MOMENTUM = 0.95  # Jordan et al. 2024; Liu et al. 2025
+MUON_RMS = 0.2  # Muon updates scaled to about this RMS, near AdamW's (Liu et al. 2025)
 
 
 def noam_schedule(d_model: int, warmup_steps: int = 4000, scale: float = 1.0) -> optax.Schedule:
@@ -68,14 +70,29 @@ def make_optimizer(
     weight_decay: float = 0.0,
     grad_clip_norm: float | None = None,
 ) -> optax.GradientTransformation:
-    """Adam with the paper's betas and epsilon (or AdamW), after optional global-norm clipping.
+    """Adam with the paper's betas and epsilon, AdamW, or Muon, after optional global-norm
+    clipping.
 
     AdamW decays the weight matrices and embeddings only (``decayed``): a bias or a norm's
-    scale pulled towards zero is a constraint, not a regularizer."""
+    scale pulled towards zero is a constraint, not a regularizer. Muon (Jordan et al., 2024)
+    updates the attention and feed-forward projection matrices (``muon_dimensions``) by their
+    momentum orthogonalized with Newton-Schulz iterations, scaled to AdamW's update RMS so that
+    both share ``schedule`` and ``weight_decay`` (Liu et al., 2025, "Muon is Scalable for LLM
+    Training"); embeddings, the output layer, biases and norms keep AdamW."""
     if name == "adam":
         opt: Any = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
     elif name == "adamw":
         opt = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decayed)
+    elif name == "muon":
+        matrices = optax.contrib.muon(
+            schedule,
+            beta=MUON_MOMENTUM,
+            weight_decay=weight_decay,
+            consistent_rms=MUON_RMS,
+            muon_weight_dimension_numbers=muon_dimensions,
+        )
+        rest = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decayed)
+        opt = optax.partition({"muon": matrices, "adamw": rest}, muon_labels)
     else:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {name!r}")
     if grad_clip_norm:
@@ -93,6 +110,40 @@ def decayed(params: Any) -> Any:
         return not (name.endswith("bias") or name == "scale")
 
     return jax.tree_util.tree_map_with_path(decay, params)
+
+
+# Muon's matrices by parameter name, with their (reduction, output) axes counted from the end:
+# leading axes (a scanned stack's layers, a fused kernel's query/key/value) are batch axes,
+# each slice orthogonalized on its own. A head's query, key or value projection is one
+# [embed, heads * head_dim] matrix, the output projection one [heads * head_dim, embed].
+_MUON_AXES = (
+    (re.compile(r".*attention/((query|key|value)/kernel|qkv/query_kernel)"), -3, (-2, -1)),
+    (re.compile(r".*attention/qkv/(kernel|kv_kernel)"), -4, (-2, -1)),
+    (re.compile(r".*attention/out/kernel"), (-3, -2), -1),
+    (re.compile(r".*/mlp/(wi|wi_up|wo)/kernel"), -2, -1),
+)
+
+
+def _muon_axes(path) -> optax.contrib.MuonDimensionNumbers | None:
+    name = param_path(path)
+    for regex, reduction, output in _MUON_AXES:
+        if regex.fullmatch(name):
+            return optax.contrib.MuonDimensionNumbers(reduction, output)
+    return None
+
+
+def muon_dimensions(params: Any) -> Any:
+    """The tree of ``params`` with Muon's ``MuonDimensionNumbers`` for the attention and
+    feed-forward projection kernels and None for the parameters AdamW updates."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _muon_axes(path), params)
+
+
+def muon_labels(params: Any) -> Any:
+    """The tree of ``params`` with "muon" for Muon's matrices (``muon_dimensions``), else
+    "adamw"."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "adamw" if _muon_axes(path) is None else "muon", params
+    )
 
 
 # ----------------------------------------------------------------------------- freezing

@@ -365,10 +365,10 @@ def check_values(config: Any, *, device_count: int | None = None) -> None:
     _number_in(config, "b2", 0.0, 1.0, "[0, 1)")
     _number_in(config, "eps", 0.0, None, "[0, inf)")
     _number_in(config, "weight_decay", 0.0, None, "[0, inf)")
-    if config.weight_decay and config.optimizer != "adamw":
+    if config.weight_decay and config.optimizer == "adam":
         raise ConfigError(
-            f"config.weight_decay ({config.weight_decay}) needs config.optimizer='adamw'; "
-            f"{config.optimizer!r} has no weight decay (or set config.weight_decay=0)"
+            f"config.weight_decay ({config.weight_decay}) needs config.optimizer='adamw' or "
+            f"'muon'; 'adam' has no weight decay (or set config.weight_decay=0)"
         )
     _number_in(config, "grad_clip_norm", 0.0, None, "[0, inf) (0 = off)")
     _number_in(config, "label_smoothing", 0.0, 1.0, "[0, 1)")

@@ -150,11 +150,15 @@ def _set(config, key: str, value):
         ("batch_size", 0, r"config\.batch_size must be a positive integer; got 0"),
         ("batch_size", -8, r"config\.batch_size must be a positive integer; got -8"),
         ("learning_rate", 0.0, r"config\.learning_rate must be a number in \(0, inf\)"),
-        ("optimizer", "sgd", r"config\.optimizer must be one of \('adam', 'adamw'\); got 'sgd'"),
+        (
+            "optimizer",
+            "sgd",
+            r"config\.optimizer must be one of \('adam', 'adamw', 'muon'\); got 'sgd'",
+        ),
         (
             "weight_decay",
             0.1,
-            r"^config\.weight_decay \(0\.1\) needs config\.optimizer='adamw'; 'adam' has no",
+            r"^config\.weight_decay \(0\.1\) needs config\.optimizer='adamw' or 'muon'; 'adam' has",
         ),
         ("decode_eval", "yes", r"config\.decode_eval must be True or False"),
         ("task", "vision", r"config\.task must be one of \('synthetic', "),

@@ -107,11 +107,16 @@ def test_default_config_learns_and_writes_metrics_and_checkpoints(tmp_path, monk
     assert any((tmp_path / "tensorboard").iterdir())
 
 
-def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, optimizer):
     # num_train_steps stays tiny_config's 40 (the cosine schedule's length is part of the
     # compiled train step): the program the test above compiled serves all three runs, which
     # end at step 8 through stop_at (train.py's preemption path: the step, then a checkpoint).
-    config = tiny_config(eval_every=0, checkpoint_every=100, log_every=4)
+    # Muon's state (momentum, Newton-Schulz coefficients, AdamW's moments) round-trips too.
+    decay = 0.1 if optimizer == "muon" else 0.0
+    config = tiny_config(
+        eval_every=0, checkpoint_every=100, log_every=4, optimizer=optimizer, weight_decay=decay
+    )
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train.train_and_evaluate(config, str(straight), stop_at=8)
     train.train_and_evaluate(config, str(resumed), stop_at=4)
@@ -229,6 +234,86 @@ def test_adamw_decays_matrices_and_embeddings_not_biases_or_norm_scales():
     assert any(n.endswith("/scale") for n, _ in kept)
     assert any(n.endswith("bias") and ndim == 2 for n, ndim in kept)  # a stacked bias
     assert any(n.endswith("embedding") for n in decayed) and any("kernel" in n for n in decayed)
+
+
+@pytest.mark.parametrize("fused_qkv,num_kv_heads", [(False, None), (True, None), (True, 1)])
+def test_muon_orthogonalizes_each_projection_matrix_and_leaves_the_rest_to_adamw(
+    fused_qkv, num_kv_heads
+):
+    """Muon's first update of every attention and feed-forward kernel, read as [fan_in,
+    fan_out] per layer and per fused query/key/value slice, is -lr * 0.2 * sqrt(max(fan_in,
+    fan_out)) * U p(S) V^T for its gradient's float64 SVD U S V^T, where p is five steps of
+    Jordan's quintic x -> 3.4445 x - 4.775 x^3 + 2.0315 x^5 on S / ||S||_2 (the Newton-Schulz
+    iteration on the singular values), plus decoupled decay; every other parameter gets
+    AdamW's update (decay on embeddings only)."""
+    from flaxformer_lite import EncoderDecoder, TransformerConfig
+    from flaxformer_lite.models import param_path
+
+    cfg = TransformerConfig(
+        vocab_size=16, d_model=8, num_heads=2, num_kv_heads=num_kv_heads, d_ff=12,
+        num_encoder_layers=2, num_decoder_layers=2, max_len=8, scan_layers=True,
+        fused_qkv=fused_qkv, activation="swiglu",
+    )  # fmt: skip
+    lr, wd = 0.5, 0.1
+    schedule = optax.constant_schedule(lr)
+    muon = optim.make_optimizer("muon", schedule, weight_decay=wd)
+    adamw = optim.make_optimizer("adamw", schedule, weight_decay=wd)
+
+    @jax.jit
+    def first_updates():
+        tokens = jnp.ones((1, 3), jnp.int32)
+        params = EncoderDecoder(cfg).init(jax.random.key(0), tokens, tokens)["params"]
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        noise = [jax.random.normal(k, p.shape) for k, p in zip(keys, leaves, strict=True)]
+        grads = treedef.unflatten(noise)
+        no_decay = jax.tree.map(jnp.zeros_like, params)  # Muon's matrices without the decay
+        muon_no_decay = optim.make_optimizer("muon", schedule)
+        return (
+            params,
+            grads,
+            muon.update(grads, muon.init(params), params)[0],
+            muon_no_decay.update(grads, muon_no_decay.init(params), no_decay)[0],
+            adamw.update(grads, adamw.init(params), params)[0],
+        )
+
+    params, grads, updates, bare, adamw_updates = jax.device_get(first_updates())
+    flat = lambda tree: jax.tree.leaves(tree)  # noqa: E731
+    matrices = set()
+    for (path, p), g, u, b, a in zip(
+        jax.tree_util.tree_leaves_with_path(params),
+        flat(grads), flat(updates), flat(bare), flat(adamw_updates), strict=True,
+    ):  # fmt: skip
+        name = param_path(path)
+        leaf = name.rsplit("/", 2)[-2:]
+        if leaf[1] not in ("kernel", "query_kernel", "kv_kernel"):
+            np.testing.assert_allclose(u, a, rtol=1e-5, atol=1e-7, err_msg=name)
+            continue
+        matrices.add("/".join(leaf))
+        np.testing.assert_allclose(u - b, -lr * wd * p, rtol=1e-4, atol=1e-6, err_msg=name)
+        # [layers, (3 | 2,) fan_in..., fan_out...] -> [slices, fan_in, fan_out]
+        if leaf[0] == "out":  # [layers, heads, head_dim, embed]
+            fan_in, fan_out = p.shape[1] * p.shape[2], p.shape[3]
+        elif leaf[0] in ("wi", "wi_up", "wo"):  # [layers, in, out]
+            fan_in, fan_out = p.shape[1:]
+        elif leaf[1] in ("kernel", "kv_kernel") and leaf[0] == "qkv":  # [layers, embed, n, h, d]
+            fan_in, fan_out = p.shape[1], p.shape[3] * p.shape[4]
+            g, b = np.moveaxis(g, 2, 1), np.moveaxis(b, 2, 1)  # the q/k/v axis before embed
+        else:  # [layers, embed, heads, head_dim]
+            fan_in, fan_out = p.shape[1], p.shape[2] * p.shape[3]
+        g64 = np.asarray(g, np.float64).reshape(-1, fan_in, fan_out)
+        b64 = np.asarray(b, np.float64).reshape(-1, fan_in, fan_out)
+        scale = -lr * 0.2 * np.sqrt(max(fan_in, fan_out))
+        for gi, bi in zip(g64, b64, strict=True):
+            left, sigma, right = np.linalg.svd(gi, full_matrices=False)
+            x = sigma / np.linalg.norm(sigma)
+            for _ in range(5):
+                x = 3.4445 * x - 4.775 * x**3 + 2.0315 * x**5
+            np.testing.assert_allclose(bi / scale, (left * x) @ right, atol=2e-4, err_msg=name)
+    kinds = {"out/kernel", "wi/kernel", "wi_up/kernel", "wo/kernel"}
+    if fused_qkv:  # the encoder's and decoder's self-attention; cross-attention is unfused
+        kinds |= {"qkv/kernel"} if num_kv_heads is None else {"qkv/query_kernel", "qkv/kv_kernel"}
+    assert matrices == kinds | {"query/kernel", "key/kernel", "value/kernel"}
 
 
 def test_label_smoothed_loss_against_hand_computed_value():
