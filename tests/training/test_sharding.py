@@ -66,6 +66,23 @@ def test_eight_simulated_devices_match_one_device(reference, tmp_path, mesh):
     assert_same_params(a, b)
 
 
+def test_muon_on_eight_simulated_devices_matches_one_device(tmp_path):
+    """Muon orthogonalizes kernels that the (2, 2, 2) mesh splits over fsdp and tensor: its
+    Newton-Schulz products gather what they need, and the run ends where one device does."""
+    muon = ("--config.optimizer=muon", "--config.weight_decay=0.1")
+    train_here(tmp_path / "one", *muon)
+    run_train(tmp_path / "eight", *muon, "--config.mesh_shape=(2,2,2)", devices=8)
+    a, _ = saved_state(tmp_path / "one")
+    b, _ = saved_state(tmp_path / "eight")
+    assert int(a["step"]) == int(b["step"]) == 6
+    assert final_loss(tmp_path / "eight") == pytest.approx(final_loss(tmp_path / "one"), abs=1e-5)
+    # Newton-Schulz multiplies a matrix's smallest singular directions by up to 3.4445^5 (~490):
+    # float32 rounding in them (another reduction order on the mesh) reaches ~1.3e-5 in a few
+    # elements after 6 steps. A layout error (say, each shard orthogonalized alone) moves every
+    # element by whole updates, RMS 0.2 * lr = 6e-4 per step.
+    assert_same_params(a, b, atol=1e-4)
+
+
 def test_cpu_devices_splits_the_host_into_a_data_parallel_mesh(reference, tmp_path, capsys):
     """--config.cpu_devices=2 and no XLA flag: train.py splits the CPU into 2 devices before
     JAX starts, the batch is data-parallel over them, and the run ends where the one-device
