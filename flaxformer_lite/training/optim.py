@@ -78,7 +78,8 @@ def make_optimizer(
     updates the attention and feed-forward projection matrices (``muon_dimensions``) by their
     momentum orthogonalized with Newton-Schulz iterations, scaled to AdamW's update RMS so that
     both share ``schedule`` and ``weight_decay`` (Liu et al., 2025, "Muon is Scalable for LLM
-    Training"); embeddings, the output layer, biases and norms keep AdamW."""
+    Training"); every other parameter (embeddings, the output layer, biases, norms, relative
+    position tables, a mixture of experts' router and weights) keeps AdamW."""
     if name == "adam":
         opt: Any = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
     elif name == "adamw":
