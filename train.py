@@ -1097,7 +1097,7 @@ def main(argv: list[str]) -> None:
         if isinstance(e, CheckpointError):
             # A failed save can leave Orbax's fragment writes as coroutines nobody awaits; their
             # "never awaited" warning at interpreter exit would print after the one line that
-            # names the failure (seen once in 9 full-disk runs on 2 processes).
+            # names the failure (seen once, in a fresh-clone CI's 2-process full-disk test).
             warnings.filterwarnings(
                 "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
             )
