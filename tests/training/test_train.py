@@ -28,6 +28,7 @@ from flaxformer_lite.training import (
 from flaxformer_lite.training.metrics import read_metrics  # noqa: E402
 
 from helpers import exact_match_reference
+from helpers.random_weights import random_params
 from helpers.runs import saved_state, train_cmd, wait_for_checkpoint
 from helpers.tiny_configs import TINY_OVERRIDES, load_config
 
@@ -259,13 +260,11 @@ def test_muon_orthogonalizes_each_projection_matrix_and_leaves_the_rest_to_adamw
     muon = optim.make_optimizer("muon", schedule, weight_decay=wd)
     adamw = optim.make_optimizer("adamw", schedule, weight_decay=wd)
 
-    tokens = jnp.ones((1, 3), jnp.int32)
-    init = jax.jit(lambda: EncoderDecoder(cfg).init(jax.random.key(0), tokens, tokens))
-    params = jax.device_get(init()["params"])
-    # Gradients drawn here, not in the compiled program: with a threefry draw per leaf (about
-    # a hundred) in it, model init and updates made one program that took 3.6 s to compile
-    # (the three cases 13.4 s in all; 5.4 s so, the same assertions).
-    rng = np.random.default_rng(1)
+    tokens = np.ones((1, 3), np.int32)
+    params = random_params(EncoderDecoder(cfg), tokens, tokens)  # NumPy: nothing compiles
+    # Gradients drawn here too, not in the compiled program: with model init and a threefry
+    # draw per leaf (about a hundred) in it, that one program took 3.6 s to compile.
+    rng = np.random.default_rng(2)
     grads = jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), params)
 
     @jax.jit
