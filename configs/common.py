@@ -10,7 +10,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Optimizer: Adam(0.9, 0.98, 1e-9) and the paper's warmup / inverse-square-root schedule.
     c.optimizer = "adam"
-    c.schedule = "noam"  # "noam" | "cosine" | "constant"
+    c.schedule = "noam"  # "noam" | "cosine" | "linear" | "constant"
     c.learning_rate = 1.0  # noam: multiplier of d_model^-0.5 * min(...); else the peak rate
     c.warmup_steps = 4000
     c.b1, c.b2, c.eps = 0.9, 0.98, 1e-9

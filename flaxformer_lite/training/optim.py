@@ -12,7 +12,10 @@ import optax
 
 from flaxformer_lite.models import param_path
 
-SCHEDULES = ("noam", "cosine", "constant")
+SCHEDULES = ("noam", "cosine", "linear", "constant")
+# Schedules whose decay depends on where the run ends (total_steps): a time budget must decide
+# the step count before the decay starts (preflight, training/time_budget.py).
+DECAY_TO_END = ("cosine", "linear")
 OPTIMIZERS = ("adam", "adamw", "muon")
 MUON_MOMENTUM = 0.95  # Jordan et al. 2024; Liu et al. 2025
 MUON_RMS = 0.2  # Muon updates scaled to about this RMS, near AdamW's (Liu et al. 2025)
@@ -42,12 +45,23 @@ def make_schedule(
     d_model: int,
 ) -> optax.Schedule:
     """ "noam" (learning_rate is the multiplier of the paper's formula), "cosine" (linear warmup
-    to learning_rate, cosine decay to 0 at total_steps) or "constant" (linear warmup)."""
+    to learning_rate, cosine decay to 0 at total_steps), "linear" (linear warmup, then linear
+    decay to 0 at total_steps: Bergsma et al. 2025, "Straight to Zero") or "constant" (linear
+    warmup)."""
     if name == "noam":
         return noam_schedule(d_model, warmup_steps, learning_rate)
     if name == "cosine":
         return optax.warmup_cosine_decay_schedule(
             0.0, learning_rate, warmup_steps, max(total_steps, warmup_steps + 1)
+        )
+    if name == "linear":
+        decay_steps = max(total_steps - warmup_steps, 1)
+        return optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                optax.linear_schedule(learning_rate, 0.0, decay_steps),
+            ],
+            [warmup_steps],
         )
     if name == "constant":
         return optax.join_schedules(

@@ -485,8 +485,8 @@ def check_cpu_devices(config: Any) -> None:
 
 def _check_time_budget(config: Any) -> None:
     """A time budget decides the step count at the first evaluation (training/time_budget.py):
-    there must be one, and for the cosine schedule it must come while the rate still warms
-    up (the decay depends on the step count)."""
+    there must be one, and for a schedule that decays to its last step (cosine, linear) it
+    must come while the rate still warms up (the decay depends on the step count)."""
     if time_budget.budget_minutes(config) is None:
         return
     _number_in(
@@ -497,10 +497,11 @@ def _check_time_budget(config: Any) -> None:
             "config.eval_every must be a positive integer with config.time_budget_minutes: "
             "the step count is decided after the first evaluation; got 0"
         )
-    if config.schedule == "cosine" and config.eval_every > config.warmup_steps:
+    if config.schedule in optim.DECAY_TO_END and config.eval_every > config.warmup_steps:
         raise ConfigError(
             f"config.eval_every ({config.eval_every}) must be <= config.warmup_steps "
-            f"({config.warmup_steps}) with config.time_budget_minutes and the cosine schedule: "
+            f"({config.warmup_steps}) with config.time_budget_minutes and the "
+            f"{config.schedule} schedule: "
             f"the step count, which the decay depends on, is decided at the first evaluation"
         )
 

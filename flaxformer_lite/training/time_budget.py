@@ -5,8 +5,8 @@ so the run decides its step count once, early, from its own measured pace:
 
 1. It trains with the configured schedule until its first evaluation after the first
    (compiling) step. Only warmup steps may come before that point (``preflight`` requires
-   ``eval_every <= warmup_steps`` for the cosine schedule), and warmup does not depend on
-   the last step: those updates are bit for bit those of a fixed-step run.
+   ``eval_every <= warmup_steps`` for the cosine and linear schedules), and warmup does not
+   depend on the last step: those updates are bit for bit those of a fixed-step run.
 2. There it measures the seconds per step since the first step compiled, evaluations,
    logging and checkpoint saves included (they recur at the same cadence; train.py compiles
    the eval step before the first step, so that its one-time compilation is not counted as a

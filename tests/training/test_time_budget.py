@@ -216,6 +216,11 @@ def test_a_machine_that_slows_after_the_decision_stops_at_the_budget(tmp_path, m
             r"config.eval_every \(50\) must be <= config.warmup_steps \(10\) with "
             r"config.time_budget_minutes and the cosine schedule",
         ),
+        (
+            dict(time_budget_minutes=5.0, eval_every=50, warmup_steps=10, schedule="linear"),
+            r"config.eval_every \(50\) must be <= config.warmup_steps \(10\) with "
+            r"config.time_budget_minutes and the linear schedule",
+        ),
     ],
 )
 def test_bad_budget_settings_name_the_field(overrides, message):

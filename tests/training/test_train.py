@@ -184,6 +184,24 @@ def test_sigterm_saves_the_step_it_prints_and_the_rerun_resumes_there(tmp_path):
     assert logged == sorted(set(every_5) | {n, target})
 
 
+@pytest.mark.parametrize("warmup, total", [(40, 1000), (0, 300), (10, 11)])
+def test_linear_schedule_warms_up_then_decays_straight_to_zero(warmup, total):
+    """Update ``count`` (optax counts from 0) gets peak * count / warmup while warming up, then
+    peak * (total - count) / (total - warmup): zero at the last step, a straight line between."""
+    peak = 4e-3
+    schedule = optim.make_schedule(
+        "linear", learning_rate=peak, warmup_steps=warmup, total_steps=total, d_model=128
+    )
+    for count in sorted({0, 1, warmup // 2, warmup, warmup + 1, (warmup + total) // 2, total - 1,
+                         total, total + 5}):  # fmt: skip
+        if count < warmup:
+            expected = peak * count / warmup
+        else:
+            expected = peak * max(total - count, 0) / (total - warmup)
+        # float32: peak - peak * fraction rounds to within a few ulps of peak (~5e-10 here)
+        assert float(schedule(count)) == pytest.approx(expected, rel=1e-5, abs=peak * 1e-6), count
+
+
 def test_noam_schedule_matches_the_paper_formula():
     d_model, warmup = 512, 4000
     schedule = optim.noam_schedule(d_model, warmup)
@@ -194,7 +212,7 @@ def test_noam_schedule_matches_the_paper_formula():
     assert peak == pytest.approx(512**-0.5 * 4000**-0.5, rel=1e-6)
     assert float(schedule(warmup - 2)) < peak and float(schedule(warmup)) < peak
     with pytest.raises(ValueError, match="schedule"):
-        optim.make_schedule("linear", learning_rate=1.0, warmup_steps=1, total_steps=2, d_model=8)
+        optim.make_schedule("step", learning_rate=1.0, warmup_steps=1, total_steps=2, d_model=8)
     with pytest.raises(ValueError, match="optimizer"):
         optim.make_optimizer("sgd", schedule)
 
