@@ -92,7 +92,9 @@ def get_config():
     # An hour of training on whatever machine runs it: short warmup, then the run measures its
     # pace at its first evaluation (step 250, still warming up), fixes the step count that
     # ends within 60 minutes (time_budget.json) and decays the rate to zero there (cosine).
-    # --config.time_budget_minutes=0 --config.num_train_steps=N trains N steps instead.
+    # --config.time_budget_minutes=0 --config.num_train_steps=N trains N steps instead. Linear
+    # decay to zero (--config.schedule=linear) ended at a lower val KL (1.259 against 1.268-1.276)
+    # but val BLEU 43.11 against cosine's 43.49 at the same seed and 9,457 steps: not taken.
     c.schedule = "cosine"
     # AdamW, decay 0.3 on the weight matrices and embeddings (optim.decayed): at the same
     # 8,047 steps val BLEU 42.01 against 41.82 with decay 0.1 and 41.28 with Adam, val KL 1.359
