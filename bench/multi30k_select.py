@@ -11,6 +11,10 @@ and alpha), the two rows an ablation table needs. test2016 never takes part in t
 The chosen cell is the `python -m flaxformer_lite.cli.evaluate --average N --beam_size B
 --alpha A` command that reproduces it.
 
+``--ensemble W2 [W3 ...]``: score the ensemble of ``--workdir`` and those runs instead
+(``Translator.ensemble``, each run averaged over the cell's N checkpoints), as the evaluate
+CLI's ``--ensemble`` does.
+
 ``--precisions bfloat16 int8 int8+bfloat16`` then decodes the chosen cell again (val and
 test2016) with the same parameters in those precisions (``Translator(dtype=, quantize=)``):
 the BLEU cost of each against float32 on one checkpoint, and its decoding seconds beside
@@ -79,8 +83,18 @@ def main() -> None:
         choices=["bfloat16", "int8", "int8+bfloat16"],
         help="also decode the chosen cell in these precisions (BLEU cost against float32)",
     )
+    parser.add_argument(
+        "--ensemble", nargs="+", default=[], help="more workdirs decoded with --workdir as one"
+    )
     parser.add_argument("--out", required=True, help="JSON record of every cell")
     args = parser.parse_args()
+
+    def load(average: int, **options) -> Translator:
+        members = [
+            Translator.from_workdir(w, average=average, **options)
+            for w in [args.workdir, *args.ensemble]
+        ]
+        return members[0] if len(members) == 1 else Translator.ensemble(members)
 
     def split(name: str):
         src = read_lines(os.path.join(args.data, f"{name}.{args.source_lang}"))
@@ -94,7 +108,7 @@ def main() -> None:
 
     cells, translators = [], {}
     for average in args.averages:
-        translators[average] = Translator.from_workdir(args.workdir, average=average)
+        translators[average] = load(average)
         for beam_size in args.beam_sizes:
             for alpha in args.alphas:
                 row = {"average": average, "beam_size": beam_size, "alpha": alpha}
@@ -103,10 +117,16 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     best = max(cells, key=lambda r: (r["val"]["bleu"], r["val"]["bleu_lowercase"]))
     chosen = (best["average"], best["beam_size"], best["alpha"])
-    record = {"workdir": args.workdir, "checkpoint_steps": None, "cells": cells, "test2016": {}}
+    record = {
+        "workdir": args.workdir,
+        "ensemble": args.ensemble,
+        "checkpoint_steps": None,
+        "cells": cells,
+        "test2016": {},
+    }
     for label, (average, beam_size, alpha) in (("plain", plain), ("chosen", chosen)):
         if average not in translators:
-            translators[average] = Translator.from_workdir(args.workdir, average=average)
+            translators[average] = load(average)
         result = score(translators[average], *test, beam_size=beam_size, alpha=alpha)
         record["test2016"][label] = {
             "average": average, "beam_size": beam_size, "alpha": alpha, **result,
@@ -120,9 +140,8 @@ def main() -> None:
         translator = (
             translators[average]
             if precision == "float32"
-            else Translator.from_workdir(
-                args.workdir,
-                average=average,
+            else load(
+                average,
                 dtype="bfloat16" if "bfloat16" in precision else None,
                 quantize="int8" if "int8" in precision else None,
             )

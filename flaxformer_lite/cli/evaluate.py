@@ -28,12 +28,12 @@ from flaxformer_lite.cli.translate import (
     check_decoding_flags,
     check_paths,
     generation_from_flags,
+    load_translator,
     plain_warnings,
     read_input,
     write_lines,
 )
 from flaxformer_lite.core import paths
-from flaxformer_lite.inference.translator import Translator
 
 
 def bleu_report(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, object]:
@@ -104,13 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{args.source} has {len(sources)} lines but {args.reference} has "
                 f"{len(references)}: they must be aligned"
             )
-        translator = Translator.from_pretrained(
-            args.workdir,
-            step=args.step,
-            average=args.average,
-            quantize=args.quantize,
-            dtype=args.dtype,
-        )
+        translator = load_translator(args)
         generation = generation_from_flags(args, translator.generation)
         hypotheses = translator.translate(
             sources, generation, batch_size=args.batch_size, seed=args.seed, progress=True
@@ -132,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report:
         record = {
             "workdir": args.workdir,
+            "ensemble": args.ensemble or [],
             "checkpoint": translator.name,
             "average": len(translator.checkpoint_steps) or args.average,
             "checkpoint_steps": list(translator.checkpoint_steps),

@@ -168,6 +168,15 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument(
+        "--ensemble",
+        nargs="+",
+        default=None,
+        metavar="WORKDIR",
+        help="more workdirs of the same architecture and vocabulary (e.g. other seeds), decoded "
+        "with --workdir as one ensemble: the mean of their next-token probabilities at every "
+        "step; each loads its latest checkpoint with --average",
+    )
+    parser.add_argument(
         "--average",
         type=int,
         default=None,
@@ -216,6 +225,18 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def load_translator(args: argparse.Namespace) -> Translator:
+    """The Translator the flags name: ``--workdir`` at ``--step`` (``--average``,
+    ``--quantize``, ``--dtype``), or, with ``--ensemble``, the ensemble of it and those
+    workdirs (``Translator.ensemble``)."""
+    options = dict(average=args.average, quantize=args.quantize, dtype=args.dtype)
+    translator = Translator.from_pretrained(args.workdir, step=args.step, **options)
+    if not args.ensemble:
+        return translator
+    others = [Translator.from_pretrained(w, **options) for w in args.ensemble]
+    return Translator.ensemble([translator, *others])
+
+
 def generation_from_flags(args: argparse.Namespace, default: GenerationConfig) -> GenerationConfig:
     """The GenerationConfig the decoding flags ask for: ``default`` (the model's, e.g.
     ``Translator.generation``) with ``--method``, ``--beam_size``, ``--alpha`` and
@@ -260,13 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdin = args.input in (None, "-")
     try:
         sentences = None if stdin else read_input(parser, "--input", args.input)
-        translator = Translator.from_pretrained(
-            args.workdir,
-            step=args.step,
-            average=args.average,
-            quantize=args.quantize,
-            dtype=args.dtype,
-        )
+        translator = load_translator(args)
         if stdin:
             sentences = read_input(parser, "--input", args.input)
         outputs = translator.translate(

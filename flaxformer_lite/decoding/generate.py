@@ -24,6 +24,7 @@ copies of its first row, which are dropped from the result inside the same jitte
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -438,7 +439,8 @@ def generate_jit(
     rng: jax.Array | None = None,
     row_max_len: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The one jitted call of :func:`generate`: ``inputs`` `[padded_rows, src_len]` (a multiple
+    """The one jitted call of :func:`generate` (``params`` one model's, or a tuple of several
+    models' for an ensemble): ``inputs`` `[padded_rows, src_len]` (a multiple
     of the data axes) and optional ``row_max_len`` `[padded_rows]` (None under
     ``max_len="source"``: each row's limit from its own source ids), the first ``rows`` of the
     results returned (None: all of them). ``generation`` (None: ``GenerationConfig()``) and
@@ -446,15 +448,14 @@ def generate_jit(
     ahead-of-time compilation), it places nothing itself: arguments on other shardings are
     moved inside the call."""
     max_len = generation.decode_len(config, source_len=inputs.shape[1])
-    params = _constrain_params(params, EncoderDecoder, config, mesh)
+    members = params if isinstance(params, tuple) else (params,)
     inputs = jax.lax.with_sharding_constraint(inputs, sharding.batch_sharding(mesh))
     if row_max_len is None and generation.max_len == SOURCE:
         row_max_len = _source_row_limits(inputs, config, max_len)
     if row_max_len is not None:
         row_max_len = jax.lax.with_sharding_constraint(row_max_len, sharding.batch_sharding(mesh))
-    params, config = unrolled(params, config)
     method, beam_size = generation.method, generation.beam_size
-    model = EncoderDecoder(config)
+    in_place = method == "beam" and generation.beam_cache == "in_place" and beam_size > 1
     batch_size = inputs.shape[0]
     # The models' own activation constraints (``models.stack.constrain_residual``) follow the
     # same rules.
@@ -462,21 +463,18 @@ def generate_jit(
         jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
         nn.logical_axis_rules(sharding.LOGICAL_RULES),
     ):
-        encoded = model.apply({"params": params}, inputs, method=model.encode)
-        in_place = method == "beam" and generation.beam_cache == "in_place" and beam_size > 1
-        if method == "beam" and not in_place:  # one copy of the source per beam, reordered
-            encoded, inputs = search.expand_to_beams((encoded, inputs), beam_size)
-        beams = beam_size if in_place else 1  # in place: the source's rows stay one each
-        beam_rows = inputs.shape[0] * beams
-        cache = _constrain_cache(
-            init_cache(model, params, inputs.shape[0], max_len, inputs.shape[1], beam_size=beams),
-            mesh,
-        )
-        # A zero-length decoder call projects the encoder keys/values of every layer into the
-        # cache once; the steps below pass encoded=None and project only their new position.
-        prime = _sharded_step(_decoder_call(model, params, encoded, inputs, beam_size=beams), mesh)
-        _, cache = prime(jnp.zeros((beam_rows, 0), jnp.int32), cache)
-        step = _sharded_step(_decoder_call(model, params, None, inputs, beam_size=beams), mesh)
+        steps, caches = [], []
+        for member in members:
+            member = _constrain_params(member, EncoderDecoder, config, mesh)
+            step, cache, decode_config = _primed_decoder(
+                member, config, inputs, generation, max_len, in_place=in_place, mesh=mesh
+            )
+            steps.append(step)
+            caches.append(cache)
+        if len(members) == 1:
+            step, cache = steps[0], caches[0]
+        else:
+            step, cache = ensemble_step(steps), {f"member_{i}": c for i, c in enumerate(caches)}
         tokens, scores = _search(
             generation,
             step,
@@ -486,10 +484,67 @@ def generate_jit(
             rng=rng,
             initial_tokens=None,
             row_max_len=row_max_len,
-            config=config,
+            config=decode_config,
+            # Every member's beam_ancestors, wherever they sit in the (nested) cache.
             reorder_cache=models.reorder_beam_cache if in_place else None,
         )
     return _unpad((tokens, scores), rows, mesh)
+
+
+def _primed_decoder(
+    params: Any,
+    config: TransformerConfig,
+    inputs: jax.Array,
+    generation: GenerationConfig,
+    max_len: int,
+    *,
+    in_place: bool,
+    mesh: Mesh,
+) -> tuple[Any, Any, TransformerConfig]:
+    """One EncoderDecoder's decoding step ``tokens, cache -> (logits, cache)`` and its cache
+    with the encoder keys/values of ``inputs`` `[rows, src_len]` already projected, for the
+    search ``generation`` names (beam search in place: one source row per ``beam_size``
+    hypotheses; reordering: the source repeated per beam), and the config it decodes with
+    (a ``scan_layers`` model's unrolled one)."""
+    params, config = unrolled(params, config)
+    model = EncoderDecoder(config)
+    beam_size = generation.beam_size
+    encoded = model.apply({"params": params}, inputs, method=model.encode)
+    if generation.method == "beam" and not in_place:  # one copy of the source per beam
+        encoded, inputs = search.expand_to_beams((encoded, inputs), beam_size)
+    beams = beam_size if in_place else 1  # in place: the source's rows stay one each
+    beam_rows = inputs.shape[0] * beams
+    cache = _constrain_cache(
+        init_cache(model, params, inputs.shape[0], max_len, inputs.shape[1], beam_size=beams),
+        mesh,
+    )
+    # A zero-length decoder call projects the encoder keys/values of every layer into the
+    # cache once; the steps pass encoded=None and project only their new position.
+    prime = _sharded_step(_decoder_call(model, params, encoded, inputs, beam_size=beams), mesh)
+    _, cache = prime(jnp.zeros((beam_rows, 0), jnp.int32), cache)
+    step = _sharded_step(_decoder_call(model, params, None, inputs, beam_size=beams), mesh)
+    return step, cache, config
+
+
+def ensemble_step(steps: Sequence[Any]) -> Any:
+    """Several models' decoding steps as one: ``tokens, {"member_i": cache_i} -> (log of the
+    mean of their next-token probabilities `[rows, vocab]`, float32; the updated caches)``.
+
+    The mean of probabilities (not of logits) is the ensemble of Marian and fairseq; it is a
+    normalised log-distribution, so the searches' own log-softmax leaves it as it is."""
+
+    def call(tokens: jax.Array, cache: Any) -> tuple[jax.Array | None, Any]:
+        log_probs, updated = [], {}
+        for i, step in enumerate(steps):
+            logits, updated[f"member_{i}"] = step(tokens, cache[f"member_{i}"])
+            if logits is not None:
+                log_probs.append(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+        if not log_probs:  # a zero-length call only fills the caches
+            return None, updated
+        stacked = jnp.stack(log_probs)
+        return jax.nn.logsumexp(stacked, axis=0) - jnp.log(float(len(steps))), updated
+
+    return call
 
 
 def prompt_context(
@@ -640,7 +695,9 @@ def generate(
 
     Args:
       params: the model parameters (``variables["params"]``, boxed or not; stacked ones of a
-        ``scan_layers`` model are unstacked inside the call).
+        ``scan_layers`` model are unstacked inside the call), or a tuple (or list) of several
+        models' of the same ``config``: an ensemble, whose next-token distribution at every
+        step is the mean of theirs (``ensemble_step``; each model keeps its own cache).
       config: the model's TransformerConfig.
       inputs: int `[batch, src_len]`, padded with ``config.pad_id``; rows may have different
         lengths (numpy, or a jax array; a multi-process global array needs rows the data
@@ -682,8 +739,16 @@ def generate(
     inputs, rows = place_rows(inputs, mesh)
     max_len = generation.decode_len(config, source_len=inputs.shape[1])
     limits = _place_row_max_len(row_max_len, rows, inputs.shape[0], mesh, max_len)
+    if isinstance(params, (list, tuple)):
+        if not params:
+            raise ValueError("params: an empty sequence; give one model's parameters or a "
+                             "tuple of several models' (an ensemble)")  # fmt: skip
+        placed = tuple(place_params(p, EncoderDecoder, config, mesh) for p in params)
+        placed = placed[0] if len(placed) == 1 else placed
+    else:
+        placed = place_params(params, EncoderDecoder, config, mesh)
     return generate_jit(
-        place_params(params, EncoderDecoder, config, mesh),
+        placed,
         config,
         inputs,
         generation.canonical(),

@@ -437,6 +437,56 @@ class Translator:
 
     abstract_params = staticmethod(abstract_params)
 
+    @classmethod
+    def ensemble(cls, members: Sequence[Translator]) -> Translator:
+        """One translator that decodes with several models at once: at every step the search
+        follows the mean of their next-token probabilities (``decoding.generate``'s
+        ensembles), e.g. runs of one recipe with other seeds. The models must share the
+        architecture (``config``), the vocabularies and the devices; the decoding options,
+        mesh and vocabularies are the first member's.
+
+        Raises:
+          ValueError: fewer than two members, or members whose configs or vocabularies
+            differ (the first difference named).
+        """
+        members = list(members)
+        if len(members) < 2:
+            raise ValueError(
+                f"members: an ensemble needs 2 or more translators; got {len(members)}"
+            )
+        for i, member in enumerate(members):
+            if isinstance(member.params, tuple):
+                raise ValueError(f"members[{i}] is already an ensemble; list its members instead")
+        first = members[0]
+        for i, other in enumerate(members[1:], 1):
+            if other.config != first.config:
+                fields = [
+                    f"{f}={getattr(first.config, f)!r} / {getattr(other.config, f)!r}"
+                    for f in first.config.__dataclass_fields__
+                    if getattr(first.config, f) != getattr(other.config, f)
+                ]
+                raise ValueError(
+                    f"members[0] ({first.name}) and members[{i}] ({other.name}) have different "
+                    f"model configs ({'; '.join(fields[:3])}): an ensemble needs one architecture"
+                )
+            for side in ("source_vocab", "target_vocab"):
+                a, b = getattr(first, side), getattr(other, side)
+                ids = list(range(first.config.vocab_size))
+                if a.vocab_size != b.vocab_size or a.id_to_piece(ids) != b.id_to_piece(ids):
+                    raise ValueError(
+                        f"members[0] ({first.name}) and members[{i}] ({other.name}) have "
+                        f"different {side.replace('_vocab', '')} vocabularies: an ensemble "
+                        "needs one (train the runs with the same vocabulary)"
+                    )
+        ensemble = object.__new__(cls)
+        ensemble.__dict__.update(first.__dict__)
+        ensemble.params = tuple(
+            place_params(m.params, EncoderDecoder, first.config, first.mesh) for m in members
+        )
+        ensemble.name = " + ".join(m.name for m in members)
+        ensemble.checkpoint_steps = ()
+        return ensemble
+
     # ------------------------------------------------------------------ encoding
 
     @property
@@ -601,6 +651,11 @@ class Translator:
         Raises:
           ValueError: ``text`` is empty, or a decoding option is not valid.
         """
+        if isinstance(self.params, tuple):
+            raise ValueError(
+                "attention() of an ensemble: its models attend differently; call it on one "
+                "member translator"
+            )
         generation = resolve(generation, overrides, self.generation).replace(method="greedy")
         generation.checked_for(self.config)
         ids, truncated = self.encode([text])

@@ -335,6 +335,81 @@ def test_beam_as_wide_as_the_search_space_finds_the_exhaustive_best():
         assert penalised[best] - runner_up > 1e-4, (row, penalised[best], runner_up)
 
 
+# ----------------------------------------------------------------------------- ensembles
+
+
+def test_an_ensemble_searches_the_mean_of_its_models_distributions():
+    """Two models as one (``generate(params=(a, b))``): at every step the search sees log of
+    the mean of their next-token probabilities. Checked against the 341-sequence enumeration
+    above, each sequence scored under the mean of the two models' teacher-forced
+    probabilities: beam search (64 beams, nothing pruned; the cache in place and reordered)
+    returns the best of them and greedy follows the mean's argmax. The seeds are chosen so
+    that the ensemble's best sequence is neither model's own best (checked below)."""
+    config = CONFIG.replace(vocab_size=5, d_model=16, d_ff=32)
+    members = (init_params(config, seed=6, scale=1.0), init_params(config, seed=8, scale=1.0))
+    inputs = padded([[4, 4, 1], [4, 1, 0]])
+    max_len, alpha = 4, 0.6
+    non_eos = [t for t in range(config.vocab_size) if t != EOS_ID]
+    hypotheses = [
+        (*body, EOS_ID) for n in range(max_len) for body in itertools.product(non_eos, repeat=n)
+    ]
+    hypotheses += list(itertools.product(non_eos, repeat=max_len))
+    lengths = np.array([len(h) for h in hypotheses])
+    targets = padded([list(h) for h in hypotheses], max_len)
+    penalty = np.asarray(length_penalty(lengths, alpha))
+    decoded = {
+        cache: generate(
+            members,
+            config,
+            inputs,
+            method="beam",
+            beam_size=64,
+            alpha=alpha,
+            max_len=max_len,
+            beam_cache=cache,
+        )  # fmt: skip
+        for cache in ("in_place", "reorder")
+    }
+    greedy_tokens, _ = generate(members, config, inputs, method="greedy", max_len=max_len)
+
+    def penalised(logp: np.ndarray) -> np.ndarray:
+        picked = np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1)[..., 0]
+        return np.where(np.arange(max_len) < lengths[:, None], picked, 0.0).sum(-1) / penalty
+
+    for row in range(inputs.shape[0]):
+        source = jnp.repeat(inputs[row : row + 1], len(hypotheses), axis=0)
+        logps = [teacher_forced_log_probs(p, config, source, targets).astype(np.float64)
+                 for p in members]  # fmt: skip
+        mean = np.logaddexp(logps[0], logps[1]) - np.log(2.0)  # log((p_a + p_b) / 2)
+        scores = penalised(mean)
+        best = int(np.argmax(scores))
+        assert all(best != int(np.argmax(penalised(lp))) for lp in logps), "new seeds"
+        assert scores[best] - np.sort(scores)[-2] > 1e-3, "near-tie: new seeds"
+        for cache, (sequences, got) in decoded.items():
+            np.testing.assert_array_equal(
+                np.asarray(sequences)[row], np.asarray(targets)[best], err_msg=cache
+            )
+            np.testing.assert_allclose(float(got[row]), scores[best], rtol=1e-5, atol=1e-5)
+        path: tuple[int, ...] = ()
+        while len(path) < max_len and EOS_ID not in path:
+            t = len(path)
+            i = next(i for i, h in enumerate(hypotheses) if h[:t] == path)
+            path += (int(np.argmax(mean[i, t])),)
+        np.testing.assert_array_equal(
+            np.asarray(greedy_tokens)[row], np.asarray(padded([list(path)], max_len))[0]
+        )
+
+
+def test_an_ensemble_of_one_model_twice_decodes_as_the_model(params, inputs, greedy):
+    tokens, scores = greedy
+    twice, twice_scores = generate((params, params), CONFIG, inputs, method="greedy",
+                                   max_len=MAX_LEN)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(twice), tokens)
+    np.testing.assert_allclose(np.asarray(twice_scores), scores, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="params: an empty sequence"):
+        generate((), CONFIG, inputs)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 

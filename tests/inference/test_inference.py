@@ -335,6 +335,46 @@ def test_translate_cli_round_trips_a_file(workdir, translator, tmp_path, capsys)
     assert lines[:-1] == translator.translate(LINES)
 
 
+def test_an_ensemble_of_one_model_twice_translates_as_the_model(translator):
+    twice = Translator.ensemble([translator, translator])
+    assert twice.translate(LINES) == translator.translate(LINES)
+    assert twice.translate(LINES, method="greedy") == translator.translate(LINES, method="greedy")
+    assert twice.name == f"{translator.name} + {translator.name}"
+
+
+def test_ensemble_cli_decodes_the_workdirs_together(workdir, translator, tmp_path, capsys):
+    """--workdir W --step 20 --ensemble W: the run's checkpoints 20 and 40 as one model (the
+    search over two different models is checked in tests/decoding/test_generate.py). The
+    translate CLI writes the Translator ensemble's output; evaluate's report names both."""
+    earlier = Translator.from_workdir(str(workdir), step=20)
+    expected = Translator.ensemble([earlier, translator]).translate(LINES)
+    source, output = tmp_path / "input.txt", tmp_path / "output.txt"
+    source.write_text("\n".join(LINES) + "\n")
+    flags = ["--workdir", str(workdir), "--step", "20", "--ensemble", str(workdir)]
+    code = run_cli("translate", *flags, "--input", str(source), "--output", str(output))
+    assert code == 0, capsys.readouterr().err
+    assert output.read_text().split("\n")[:-1] == expected
+    report = tmp_path / "report.json"
+    code = evaluate.main([*flags, "--source", str(source), "--reference", str(source),
+                          "--report", str(report)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    record = json.loads(report.read_text())
+    assert record["checkpoint"] == f"{earlier.name} + {translator.name}"
+    assert record["ensemble"] == [str(workdir)]
+
+
+def test_an_ensemble_refuses_what_it_cannot_combine(translator, spm_workdir):
+    with pytest.raises(ValueError, match="needs 2 or more translators; got 1"):
+        Translator.ensemble([translator])
+    other = Translator.from_workdir(str(spm_workdir))
+    with pytest.raises(ValueError, match=r"members\[1\] .* different model configs"):
+        Translator.ensemble([translator, other])
+    with pytest.raises(ValueError, match=r"members\[0\] is already an ensemble"):
+        Translator.ensemble([Translator.ensemble([translator, translator]), translator])
+    with pytest.raises(ValueError, match="attention\\(\\) of an ensemble"):
+        Translator.ensemble([translator, translator]).attention("12")
+
+
 def test_translate_cli_help_and_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         translate.main(["--help"])
