@@ -29,8 +29,11 @@ crosses them systematically:
     h   padding invariance: pads appended to sources and targets change neither the
         evaluation logits at real positions nor the training objective and gradient; the
         train step with gradient accumulation equals one big batch
-  Paths a, b and h run on every cell; the heavier ones on a subset of cells chosen greedily
-  so that every option value still meets every path (``path_cells``; checked by
+    i   an ensemble of two models of the cell (``generate(params=(a, b))``): greedy decoding
+        follows the argmax of the mean of the two uncached models' float64 probabilities,
+        and its score is that mean's log-probability of its tokens
+  Path a runs on every cell; the others on a subset of cells chosen greedily so that every
+  option value still meets every path (``path_cells``; checked by
   ``test_every_option_value_meets_every_path``).
 
 REFUSED (the table below, also in README.md) lists the (option, path) combinations that are
@@ -215,7 +218,7 @@ assert len(CELL_BY_ID) == len(CELLS)
 
 # ----------------------------------------------------------------------------- paths per cell
 
-PATHS = ("a", "b", "c", "d", "e", "f", "g", "h")
+PATHS = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
 EVERY_CELL = ("a",)  # the forward pass: one small compile per cell
 # Paths that train (int8 is refused): the training halves of a and h, and the accumulation
 # check (on the cells with experts and a dense control only: the two train steps it compiles
@@ -363,15 +366,16 @@ TGT = padded_tokens(1, TGT_LENGTHS, TGT_LEN, BASE["vocab_size"])
 
 
 @functools.cache
-def float_params(cfg: TransformerConfig):
+def float_params(cfg: TransformerConfig, seed: int = 1):
     """float32 NumPy parameters of ``cfg``'s model (float, scanned as the config says), drawn
     away from the initialisation as tests/models/test_reference.py draws them: biases non-zero, norm
     scales 1 +- 0.1, kernels N(0, 1/d_model); router kernels N(0, 1)-ish so routing depends on
-    the token. Shapes come from ``jax.eval_shape``: nothing is compiled."""
+    the token. Shapes come from ``jax.eval_shape``: nothing is compiled. Another ``seed``:
+    another model of the same config (path i's second ensemble member)."""
     model = EncoderDecoder(float_config(cfg))
     t = jnp.ones((1, 4), jnp.int32)
     shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), t, t)["params"])
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     std = cfg.d_model**-0.5
 
     def draw(path, leaf):
@@ -396,9 +400,9 @@ def float_params(cfg: TransformerConfig):
 
 
 @functools.cache
-def model_params(cfg: TransformerConfig):
+def model_params(cfg: TransformerConfig, seed: int = 1):
     """The parameters ``cfg``'s model runs on: the float ones, or ``quantize_params`` of them."""
-    params = float_params(cfg)
+    params = float_params(cfg, seed)
     if cfg.quantization is None:
         return params
     return quantize_params(params, float_config(cfg))
@@ -624,22 +628,29 @@ def uncached_greedy(cfg, params, src, steps: int):
     from flaxformer_lite.models import unrolled
 
     params, cfg = unrolled(params, cfg)
-    b = src.shape[0]
-    dec_in = np.full((b, steps), cfg.pad_id, np.int32)
-    dec_in[:, 0] = cfg.bos_id
-    tokens = np.full((b, steps), cfg.pad_id, np.int32)
-    scores = np.zeros(b)
-    done = np.zeros(b, bool)
-    margin = np.inf
     full_logits = full_logits_fn(cfg)  # one compiled program for every step
+    return naive_greedy(cfg, lambda dec_in: full_logits(params, src, dec_in), src.shape[0], steps)
+
+
+def naive_greedy(cfg, next_scores, rows: int, steps: int):
+    """Greedy search that recomputes every step from the whole prefix: ``next_scores(dec_in)``
+    gives `[rows, steps, vocab]` scores (logits, or normalised log-probabilities) of the
+    padded decoder input `[rows, steps]` (BOS, then the tokens so far); the argmax of
+    position t is token t. Tokens `[rows, steps]` (EOS then PAD), sums `[rows]` of the
+    chosen tokens' log-softmax, the smallest top-1 / top-2 margin of the scores met."""
+    dec_in = np.full((rows, steps), cfg.pad_id, np.int32)
+    dec_in[:, 0] = cfg.bos_id
+    tokens = np.full((rows, steps), cfg.pad_id, np.int32)
+    scores = np.zeros(rows)
+    done = np.zeros(rows, bool)
+    margin = np.inf
     for t in range(steps):
-        logits = np.asarray(full_logits(params, src, dec_in), np.float64)[:, t]
+        logits = np.asarray(next_scores(dec_in), np.float64)[:, t]
         top2 = np.sort(logits, -1)[:, -2:]
         margin = min(margin, float((top2[:, 1] - top2[:, 0])[~done].min()))
-        logp = logits - logits.max(-1, keepdims=True)
-        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        logp = log_softmax64(logits)
         nxt = logits.argmax(-1)
-        scores += np.where(done, 0.0, logp[np.arange(b), nxt])
+        scores += np.where(done, 0.0, logp[np.arange(rows), nxt])
         nxt = np.where(done, cfg.pad_id, nxt).astype(np.int32)
         tokens[:, t] = nxt
         done |= nxt == cfg.eos_id
@@ -648,6 +659,12 @@ def uncached_greedy(cfg, params, src, steps: int):
         if t + 1 < steps:
             dec_in[:, t + 1] = nxt
     return tokens, scores, margin
+
+
+def log_softmax64(logits: np.ndarray) -> np.ndarray:
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def decode_tolerance(cfg) -> float:
@@ -1037,6 +1054,60 @@ def test_h_train_step_with_accumulation_equals_one_batch(cell):
     tol = 4 * BF16_U if cfg.dtype == "bfloat16" else 1e-5
     for a, b in zip(one, two, strict=True):
         assert np.abs(a - b).max() <= tol * moved, (np.abs(a - b).max(), moved)
+
+
+# ----------------------------------------------------------------------------- i: ensembles
+
+
+@pytest.mark.parametrize("cell", cell_params("i"))
+def test_i_ensemble_greedy_follows_the_mean_of_the_uncached_models(cell):
+    """Two models of the cell (parameter seeds 1 and 2) decoded as one (``generate(params=
+    (a, b))``, each with its own cache): every token the cached search picks is, given the
+    same prefix, the argmax of log((p_a + p_b) / 2) of the two uncached models in float64,
+    and its score is that mean's log-probability of its tokens. Each model's logits are
+    within path b's rounding bound ``tol`` of its uncached ones, so each log-probability
+    within 2 tol (log-softmax is 2-Lipschitz in the max norm), and so is their mean's log:
+    the chosen token within 4 tol of the best. In float32 also the tokens of an uncached
+    greedy search over the mean, run independently. The two models disagree on some token
+    (asserted): a search that drops a member, or takes the mean of log-probabilities, fails
+    the float32 and int8 cells (in bfloat16 the rounding bound is wider than the difference;
+    there the cells check the ensemble's cache and search within it)."""
+    from flaxformer_lite.decoding.generate import generate
+    from flaxformer_lite.models import unrolled
+
+    cfg = config_of(cell)
+    members = (model_params(cfg), model_params(cfg, 2))
+    tokens, scores = generate(members, cfg, SRC, method="greedy", max_len=DECODE_LEN)
+    tokens = np.asarray(tokens)
+    unrolled_members = [unrolled(p, cfg) for p in members]
+    full_logits = full_logits_fn(unrolled_members[0][1])
+
+    def mean_log_probs(dec_in: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], float]:
+        logits = [np.asarray(full_logits(p, SRC, dec_in), np.float64) for p, _ in unrolled_members]
+        logps = [log_softmax64(x) for x in logits]
+        scale = max(float(np.sqrt(np.mean(x**2))) for x in logits)
+        return np.logaddexp(*logps) - np.log(2.0), logps, scale
+
+    dec_in = np.concatenate([np.full((3, 1), cfg.bos_id, np.int32), tokens[:, :-1]], axis=1)
+    mean, logps, scale = mean_log_probs(dec_in)
+    tol = decode_tolerance(cfg) * scale
+    steps, disagree = 0, False
+    for row in range(3):
+        live = np.cumsum(tokens[row] == cfg.eos_id) - (tokens[row] == cfg.eos_id) == 0
+        chosen = mean[row, live, tokens[row, live]]
+        assert np.all(chosen >= mean[row, live].max(-1) - 4 * tol), (row, tokens[row])
+        want = chosen.sum()
+        assert abs(float(scores[row]) - want) <= 2 * tol * live.sum(), (row, scores[row], want)
+        disagree |= bool(np.any(logps[0][row, live].argmax(-1) != logps[1][row, live].argmax(-1)))
+        steps += live.sum()
+    assert steps >= 6  # rows really decoded
+    assert disagree, "the two models agree on every token: another seed for the second"
+    if cfg.dtype == "float32":
+        want_tokens, _, margin = naive_greedy(
+            cfg, lambda dec_in: mean_log_probs(dec_in)[0], 3, DECODE_LEN
+        )
+        assert margin > 10 * tol, f"top-2 margin {margin}: pick another seed"
+        np.testing.assert_array_equal(tokens, want_tokens)
 
 
 # ----------------------------------------------------------------------------- g: meshes

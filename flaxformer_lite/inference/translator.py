@@ -22,6 +22,7 @@ shapes, so ``jax.jit`` compiles once per shape, not once per batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import warnings
@@ -460,11 +461,11 @@ class Translator:
         first = members[0]
         for i, other in enumerate(members[1:], 1):
             if other.config != first.config:
-                fields = [
-                    f"{f}={getattr(first.config, f)!r} / {getattr(other.config, f)!r}"
-                    for f in first.config.__dataclass_fields__
-                    if getattr(first.config, f) != getattr(other.config, f)
+                pairs = [
+                    (f.name, getattr(first.config, f.name), getattr(other.config, f.name))
+                    for f in dataclasses.fields(first.config)
                 ]
+                fields = [f"{name}={a!r} / {b!r}" for name, a, b in pairs if a != b]
                 raise ValueError(
                     f"members[0] ({first.name}) and members[{i}] ({other.name}) have different "
                     f"model configs ({'; '.join(fields[:3])}): an ensemble needs one architecture"

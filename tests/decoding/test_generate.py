@@ -410,6 +410,39 @@ def test_an_ensemble_of_one_model_twice_decodes_as_the_model(params, inputs, gre
         generate((), CONFIG, inputs)
 
 
+def test_an_ensemble_samples_from_the_mean_of_its_models_distributions():
+    """Ancestral sampling of two models as one: 4,000 draws of the first token follow the
+    float64 mean of the two models' probabilities (each frequency within 4 standard errors),
+    which the seeds make far (over 10 standard errors on some token) from either model's
+    own distribution and from the normalised geometric mean (the mean of log-probabilities);
+    every draw's score is the mean's log-probability of its tokens (teacher-forced)."""
+    config = CONFIG.replace(vocab_size=5, d_model=16, d_ff=32)
+    members = (init_params(config, seed=6, scale=3.0), init_params(config, seed=8, scale=3.0))
+    draws, max_len = 4000, 3
+    inputs = jnp.repeat(padded([[4, 3, 1]]), draws, axis=0)
+    tokens, scores = generate(
+        members, config, inputs, method="sample", max_len=max_len, rng=jax.random.key(0)
+    )
+    tokens = np.asarray(tokens)
+    logps = [teacher_forced_log_probs(p, config, inputs, tokens).astype(np.float64)
+             for p in members]  # fmt: skip
+    mean = np.logaddexp(logps[0], logps[1]) - np.log(2.0)
+    want = np.exp(mean[0, 0])  # the first step does not depend on what is drawn
+    std_err = np.sqrt(want * (1.0 - want) / draws)
+    freq = np.bincount(tokens[:, 0], minlength=config.vocab_size) / draws
+    assert np.all(np.abs(freq - want) <= 4.0 * std_err + 1e-9), (freq, want)
+    geometric = (logps[0][0, 0] + logps[1][0, 0]) / 2
+    for other in (np.exp(logps[0][0, 0]), np.exp(logps[1][0, 0]),
+                  np.exp(geometric - np.logaddexp.reduce(geometric))):  # fmt: skip
+        assert np.max(np.abs(other - want) / std_err) > 10.0, "new seeds"
+    live = np.cumsum(tokens == EOS_ID, axis=1) - (tokens == EOS_ID) == 0
+    picked = np.take_along_axis(mean, tokens[..., None], axis=-1)[..., 0]
+    assert live[:, 1:].any()  # draws of more than one token
+    np.testing.assert_allclose(
+        np.asarray(scores), np.where(live, picked, 0.0).sum(-1), rtol=1e-5, atol=1e-5
+    )
+
+
 # ----------------------------------------------------------------------------- sampling
 
 
@@ -496,7 +529,8 @@ def test_cache_sharding_leaves_what_the_mesh_does_not_divide_whole():
 @pytest.fixture(scope="module")
 def sharded_decoding(tmp_path_factory):
     """tests/helpers/sharded_decode.py on 8 simulated devices: one device, (8,1,1) and
-    (2,1,4), greedy and beam 4, continue_prompt and the Translator, in one subprocess."""
+    (2,1,4), greedy and beam 4, an ensemble, continue_prompt and the Translator, in one
+    subprocess."""
     out = tmp_path_factory.mktemp("sharded_decoding")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
@@ -539,6 +573,20 @@ def test_eight_devices_attend_over_the_written_prefix_as_one_device(sharded_deco
     np.testing.assert_allclose(
         results[f"2x1x4/{method}_long/scores"], results[f"one/{method}_long/scores"], rtol=1e-5,
         atol=1e-5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_eight_devices_decode_an_ensemble_as_one_device(sharded_decoding, method):
+    """Two models as one on 2 x 4 (each model's cache split as one model's): one device's
+    tokens and scores, which differ from the first model's own (the second one counts)."""
+    results, _ = sharded_decoding
+    ref, got = results[f"one/ensemble_{method}/tokens"], results[f"2x1x4/ensemble_{method}/tokens"]
+    assert (ref != results[f"one/{method}/tokens"]).any()
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_allclose(
+        results[f"2x1x4/ensemble_{method}/scores"], results[f"one/ensemble_{method}/scores"],
+        rtol=1e-5, atol=1e-5,
     )  # fmt: skip
 
 

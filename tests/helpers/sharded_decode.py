@@ -2,7 +2,8 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/helpers/sharded_decode.py OUT
 
-Writes ``OUT/results.npz`` (tokens and scores per mesh and method, one device included) and
+Writes ``OUT/results.npz`` (tokens and scores per mesh and method, one device included, of
+one model and of a two-model ensemble) and
 ``OUT/facts.json`` (compile counts, shardings, Translator outputs); the test compares them.
 A tiny random EncoderDecoder with 4 heads and a vocabulary of 24, so that a tensor axis of 4
 splits heads, MLP units and the vocabulary; 5 source rows, which neither 8 nor 2
@@ -119,6 +120,18 @@ def main(out: Path) -> None:
             )  # fmt: skip
             results[f"{name}/{method}_long/tokens"] = np.asarray(t)
             results[f"{name}/{method}_long/scores"] = np.asarray(s)
+
+    # An ensemble (the model and another, seed 29; each its own cache) on 2 x 4 against one
+    # device: batch, heads and vocabulary split as for one model.
+    other = init(EncoderDecoder(CONFIG), tokens, tokens, seed=29)
+    for name in ("one", "2x1x4"):
+        for method, options in METHODS.items():
+            t, s = gen.generate(
+                (params, other), CONFIG, inputs, mesh=meshes[name], method=method,
+                max_len=MAX_LEN, **options,
+            )  # fmt: skip
+            results[f"{name}/ensemble_{method}/tokens"] = np.asarray(t)
+            results[f"{name}/ensemble_{method}/scores"] = np.asarray(s)
 
     # The Translator (what the CLIs build) on its default mesh, every device: the sources as
     # text (id 3 is UNK, written "?"); the test compares with the one-device greedy tokens.

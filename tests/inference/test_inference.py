@@ -375,6 +375,20 @@ def test_an_ensemble_refuses_what_it_cannot_combine(translator, spm_workdir):
         Translator.ensemble([translator, translator]).attention("12")
 
 
+def test_an_int8_ensemble_translates_and_mixed_precisions_are_refused(workdir, translator):
+    """Members quantized by the Translator (``quantize="int8"``: int8 kernels, the config's
+    ``quantization``) decode together as the int8 model does; an int8 member beside a float32
+    one, or a bfloat16 one beside a float32 one, is refused, the differing fields named (the
+    ensemble's arithmetic across precisions: tests/test_feature_matrix.py path i)."""
+    int8 = Translator.from_workdir(str(workdir), quantize="int8")
+    assert Translator.ensemble([int8, int8]).translate(LINES) == int8.translate(LINES)
+    with pytest.raises(ValueError, match=r"model configs \(quantization=None / 'int8'\)"):
+        Translator.ensemble([translator, int8])
+    bf16 = Translator.from_workdir(str(workdir), dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"dtype='float32' / 'bfloat16'; param_dtype="):
+        Translator.ensemble([translator, bf16])
+
+
 def test_translate_cli_help_and_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         translate.main(["--help"])
