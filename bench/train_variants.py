@@ -15,10 +15,12 @@ The variants (``VARIANTS``: ``TransformerConfig`` fields changed):
 Each is compiled from the same initial parameters, warmed up, then timed in rounds (order
 reversed every other round); seconds per step are medians over rounds. The first step's
 smoothed KL (summed over the batch's tokens) of each is printed beside: bfloat16's differs from
-the config's by rounding only, a dropout change's by its masks.
+the config's by rounding only, a dropout change's by its masks (fused q/k/v, whose parameters
+have other shapes, starts from its own initialisation).
 
     .venv/bin/python bench/train_variants.py              # 5 rounds of 10 steps, ~3 min
     .venv/bin/python bench/train_variants.py --quick      # 2 rounds of 2 steps: a smoke test
+    .venv/bin/python bench/train_variants.py --set current   # CURRENT_VARIANTS, the config now
 
 Writes bench/results/train_variants.json (train_variants_quick.json with --quick).
 """
@@ -48,6 +50,17 @@ VARIANTS = {
     "bfloat16": {"dtype": "bfloat16"},
     "attention_dropout_0": {"attention_dropout_rate": 0.0},
 }
+# --set current: the config as committed since 2026-11-29's runs (no attention dropout,
+# dropout on the feed-forward hidden units) against the changes that leave the model's
+# function as it is: q, k and v as one [d_model, 3, heads, head_dim] matmul instead of three;
+# RMSNorm (no mean, no bias) for LayerNorm; both.
+CURRENT = {"attention_dropout_rate": 0.0, "activation_dropout_rate": 0.1}
+CURRENT_VARIANTS = {
+    "config": {},
+    "fused_qkv": {"fused_qkv": True},
+    "rmsnorm": {"norm_type": "rmsnorm"},
+    "fused_qkv_rmsnorm": {"fused_qkv": True, "norm_type": "rmsnorm"},
+}
 
 
 def main() -> None:
@@ -55,26 +68,42 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps (a smoke test)")
-    parser.add_argument("--out", default=None, help="default: bench/results/train_variants.json")
+    parser.add_argument(
+        "--set",
+        choices=("first", "current"),
+        default="first",
+        help="first: VARIANTS against the 2026-11-29 config; current: CURRENT_VARIANTS against "
+        "the config as committed",
+    )
+    parser.add_argument(
+        "--out", default=None, help="default: bench/results/train_variants[_current].json"
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps = 2, 2
-    name = "train_variants_quick.json" if args.quick else "train_variants.json"
-    args.out = args.out or str(HERE / "results" / name)
+    base, variants = ({}, VARIANTS) if args.set == "first" else (CURRENT, CURRENT_VARIANTS)
+    stem = "train_variants" + ("_current" if args.set == "current" else "")
+    args.out = args.out or str(HERE / "results" / f"{stem}{'_quick' if args.quick else ''}.json")
 
     batch = {k: jnp.asarray(v) for k, v in train_step.make_batch(SPEC).items()}
-    params = train_step.init_params(multi30k_model(), batch)  # float32, shared by all
-    runs = {
-        name: compile_step(multi30k_model(**fields), params, batch)
-        for name, fields in VARIANTS.items()
-    }
+    params = train_step.init_params(multi30k_model(**base), batch)  # float32, shared
+
+    def own_params(model):  # fused q/k/v has other parameter shapes: its own initialisation
+        shapes = jax.eval_shape(lambda: train_step.init_params(model, batch))
+        same = jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure(params)
+        return params if same else train_step.init_params(model, batch)
+
+    runs = {}
+    for name, fields in variants.items():
+        model = multi30k_model(**base, **fields)
+        runs[name] = compile_step(model, own_params(model), batch)
     first_loss = {name: run(1) for name, run in runs.items()}
     for run in runs.values():
         run(1)  # warm-up
     seconds = interleaved(runs, args.rounds, args.steps)
     base = float(np.median(seconds["config"]))
     rows = []
-    for name, fields in VARIANTS.items():
+    for name, fields in variants.items():
         median = float(np.median(seconds[name]))
         rows.append(
             {
@@ -93,6 +122,7 @@ def main() -> None:
         "machine": cpu_flags(),
         "jax": jax.__version__,
         "devices": jax.device_count(),
+        "base_fields": base,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "rows": rows,
