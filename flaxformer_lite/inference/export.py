@@ -174,6 +174,16 @@ def exported_generation(
     return generation.canonical().replace(max_len=width), per_row
 
 
+def exported_params(params: Any) -> Any:
+    """The parameters as an exported program takes them and ``params.npz`` stores them: one
+    model's as they are; an ensemble's tuple as ``{"member_0": ..., "member_1": ...}``, which
+    the runtime's ``unflatten`` of ``member_i/...`` names rebuilds (a tuple would come back as
+    a dict of "0", "1" and no longer match the program)."""
+    if isinstance(params, (list, tuple)):
+        return {f"member_{i}": p for i, p in enumerate(params)}
+    return params
+
+
 def export_function(
     params: Any,
     config: TransformerConfig,
@@ -186,7 +196,9 @@ def export_function(
 
     The result maps ``(params, source_ids int32 [b, s], row_max_len int32 [b])`` to
     ``(tokens int32 [b, max_len], scores float32 [b])`` for any ``b >= 1`` and
-    ``1 <= s <= config.max_len``; ``params`` are only read for their shapes and dtypes.
+    ``1 <= s <= config.max_len``; ``params`` are only read for their shapes and dtypes. A
+    tuple of several models' parameters (an ensemble, as ``generate`` takes it) is exported as
+    one program over the mean of their distributions that takes ``exported_params(params)``.
     ``generation`` (None: :data:`DEFAULT_GENERATION`, beam 4 over the model's positions) with
     ``overrides`` of its fields (``method="greedy", max_len=32``) says how it decodes; see
     :func:`exported_generation` for the width.
@@ -199,8 +211,12 @@ def export_function(
     """
     traced, _ = exported_generation(resolve(generation, overrides, DEFAULT_GENERATION), config)
     mesh = _one_device_mesh()
+    members = len(params) if isinstance(params, (list, tuple)) else 0
+    params = exported_params(params)
 
     def translate(params, source_ids, row_max_len):
+        if members:  # the stored {"member_i": ...} back to the ensemble's tuple
+            params = tuple(params[f"member_{i}"] for i in range(members))
         return generate_jit(params, config, source_ids, traced, mesh=mesh, row_max_len=row_max_len)
 
     batch, source_len = jax.export.symbolic_shape("b, s", constraints=(f"s <= {config.max_len}",))
@@ -263,7 +279,8 @@ def export_model(
     """Writes the serving artifact of an EncoderDecoder to the local folder ``out_dir``.
 
     Args:
-      params: unboxed, unrolled parameters (``Translator.params`` or ``hf.load_pretrained``'s).
+      params: unboxed, unrolled parameters (``Translator.params`` or ``hf.load_pretrained``'s),
+        or a tuple of several models' (an ensemble: ``Translator.ensemble``'s).
       config: their TransformerConfig.
       vocabulary_dir: where the vocabulary files are (see :func:`vocabulary_files`).
       generation, platforms, overrides: as :func:`export_function`. Its ``max_len``:
@@ -291,6 +308,7 @@ def export_model(
     hf_tokenizer = _hf_vocabulary(vocabulary_dir, config) if kind == "hf" else None
     params = jax.tree_util.tree_map(np.asarray, params)
     exported = export_function(params, config, traced, platforms=platforms)
+    params = exported_params(params)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / serving_runtime.EXPORTED).write_bytes(exported.serialize())

@@ -523,6 +523,35 @@ def test_a_bfloat16_translator_exports_what_it_translates(model, tmp_path):
     assert plain["param_bits"] == {}
 
 
+def test_an_ensemble_exports_what_it_translates(model, tmp_path):
+    """``Translator.ensemble`` of the model and another (seed 2) exported: one program over
+    the mean of their distributions whose parameters ``params.npz`` stores as ``member_i/...``;
+    the runtime, in a fresh process with only the manifest's requirements, prints the
+    ensemble's own strings, which differ from the first model's."""
+    translator, work, _ = model
+    tokens = jnp.ones((1, 1), jnp.int32)
+    model_def = EncoderDecoder(translator.config)
+    other = jax.device_get(
+        nn.meta.unbox(model_def.init(jax.random.key(2), tokens, tokens))["params"]
+    )
+    other["decoder"]["logits"]["kernel"] = other["decoder"]["logits"]["kernel"] * SCALE
+    second = Translator(
+        other, translator.config, translator.source_vocab, translator.target_vocab,
+        generation=translator.generation,
+    )  # fmt: skip
+    ensemble = Translator.ensemble([translator, second])
+    artifact = tmp_path / "ensemble"
+    export.export_translator(ensemble, str(artifact), str(work), method="greedy", max_len=MAX_LEN)
+    with np.load(artifact / "params.npz") as flat:
+        assert {name.split("/")[0] for name in flat.files} == {"member_0", "member_1"}
+    expected = ensemble.translate(EXPORT_SENTENCES, method="greedy", max_len=MAX_LEN)
+    alone = translator.translate(EXPORT_SENTENCES, method="greedy", max_len=MAX_LEN)
+    assert expected != alone  # the second model changes translations
+    result = run_strict(artifact, EXPORT_SENTENCES, tmp_path)
+    assert "error" not in result, result["error"]
+    assert result["translations"] == expected
+
+
 def test_runtime_without_flatbuffers_says_what_to_install(model, tmp_path):
     """flatbuffers (which jax.export's deserializer imports, and jax does not install) made
     unimportable: loading fails with one line naming the pinned package."""
