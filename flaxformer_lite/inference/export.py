@@ -177,8 +177,8 @@ def exported_generation(
 def exported_params(params: Any) -> Any:
     """The parameters as an exported program takes them and ``params.npz`` stores them: one
     model's as they are; an ensemble's tuple as ``{"member_0": ..., "member_1": ...}``, which
-    the runtime's ``unflatten`` of ``member_i/...`` names rebuilds (a tuple would come back as
-    a dict of "0", "1" and no longer match the program)."""
+    the runtime's ``unflatten`` of ``member_i/...`` names rebuilds (a tuple's leaves would be
+    stored as ``[0]/...``, read back as a dict that no longer matches the program)."""
     if isinstance(params, (list, tuple)):
         return {f"member_{i}": p for i, p in enumerate(params)}
     return params
