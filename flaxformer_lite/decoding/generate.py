@@ -463,18 +463,14 @@ def generate_jit(
         jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
         nn.logical_axis_rules(sharding.LOGICAL_RULES),
     ):
-        steps, caches = [], []
+        primed = []
         for member in members:
             member = _constrain_params(member, EncoderDecoder, config, mesh)
             step, cache, decode_config = _primed_decoder(
                 member, config, inputs, generation, max_len, in_place=in_place, mesh=mesh
             )
-            steps.append(step)
-            caches.append(cache)
-        if len(members) == 1:
-            step, cache = steps[0], caches[0]
-        else:
-            step, cache = ensemble_step(steps), {f"member_{i}": c for i, c in enumerate(caches)}
+            primed.append((step, cache))
+        step, cache = _combined(primed)
         tokens, scores = _search(
             generation,
             step,
@@ -524,6 +520,15 @@ def _primed_decoder(
     _, cache = prime(jnp.zeros((beam_rows, 0), jnp.int32), cache)
     step = _sharded_step(_decoder_call(model, params, None, inputs, beam_size=beams), mesh)
     return step, cache, config
+
+
+def _combined(primed: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """One model's ``(step, cache)`` as it is; several models' as one: ``ensemble_step`` over
+    the cache ``{"member_i": cache_i}``."""
+    if len(primed) == 1:
+        return primed[0]
+    steps, caches = zip(*primed, strict=True)
+    return ensemble_step(steps), {f"member_{i}": c for i, c in enumerate(caches)}
 
 
 def ensemble_step(steps: Sequence[Any]) -> Any:
@@ -579,45 +584,33 @@ def continue_prompt_jit(
     rng: jax.Array | None = None,
     left_padding: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The one jitted call of :func:`continue_prompt` (see :func:`generate_jit`);
-    ``left_padding`` int `[padded_rows]`: each row's left pads (None: none)."""
-    params = _constrain_params(params, DecoderOnly, config, mesh)
+    """The one jitted call of :func:`continue_prompt` (see :func:`generate_jit`; ``params``
+    one model's, or a tuple of several models' for an ensemble); ``left_padding`` int
+    `[padded_rows]`: each row's left pads (None: none)."""
+    members = params if isinstance(params, tuple) else (params,)
     prompt = jax.lax.with_sharding_constraint(prompt, sharding.batch_sharding(mesh))
     if left_padding is not None:
         left_padding = jax.lax.with_sharding_constraint(
             left_padding.astype(jnp.int32), sharding.batch_sharding(mesh)
         )
-    params, config = unrolled(params, config)
-    model = DecoderOnly(config)
     batch_size, prompt_len = prompt.shape
     max_len = generation.decode_len(config, prompt_len=prompt_len)
     method, beam_size = generation.method, generation.beam_size
+    in_place = method == "beam" and generation.beam_cache == "in_place" and beam_size > 1
     context = prompt_context(prompt, left_padding, config, generation.prepend_bos)
     with (
         jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
         nn.logical_axis_rules(sharding.LOGICAL_RULES),
     ):
-        cache = _constrain_cache(
-            init_cache(model, params, batch_size, context.shape[1] + max_len), mesh
-        )
-        step = _sharded_step(_decoder_call(model, params, left_padding=left_padding), mesh)
-        _, cache = step(context[:, :-1], cache)  # prefill the prompt
-        in_place = method == "beam" and generation.beam_cache == "in_place" and beam_size > 1
-        # Beam search decodes batch * beam_size rows, each with its source's padding.
-        beam_padding = left_padding
-        if left_padding is not None and method == "beam":
-            beam_padding = search.expand_to_beams(left_padding, beam_size)
-            if not in_place:
-                step = _sharded_step(_decoder_call(model, params, left_padding=beam_padding), mesh)
-        if in_place:
-            # The prompt was written once per row; its beams start as copies of it. A
-            # zero-length call adds the beams' ancestry (zeros: every slot from beam 0).
-            cache = _constrain_cache(search.expand_to_beams(cache, beam_size), mesh)
-            step = _sharded_step(
-                _decoder_call(model, params, beam_size=beam_size, left_padding=beam_padding),
-                mesh,
-            )
-            _, cache = step(jnp.zeros((batch_size * beam_size, 0), jnp.int32), cache)
+        primed = []
+        for member in members:
+            member = _constrain_params(member, DecoderOnly, config, mesh)
+            step, cache, decode_config = _primed_continuation(
+                member, config, context, left_padding, generation, max_len,
+                in_place=in_place, mesh=mesh,
+            )  # fmt: skip
+            primed.append((step, cache))
+        step, cache = _combined(primed)
         tokens, scores = _search(
             generation,
             step,
@@ -627,10 +620,51 @@ def continue_prompt_jit(
             rng=rng,
             initial_tokens=context[:, -1],
             row_max_len=None,
-            config=config,
+            config=decode_config,
             reorder_cache=models.reorder_beam_cache if in_place else None,
         )
     return _unpad((tokens, scores), rows, mesh)
+
+
+def _primed_continuation(
+    params: Any,
+    config: TransformerConfig,
+    context: jax.Array,
+    left_padding: jax.Array | None,
+    generation: GenerationConfig,
+    max_len: int,
+    *,
+    in_place: bool,
+    mesh: Mesh,
+) -> tuple[Any, Any, TransformerConfig]:
+    """One DecoderOnly's decoding step ``tokens, cache -> (logits, cache)`` and its cache with
+    ``context`` `[rows, context_len]` but its last id already written (prefill), laid out for
+    the search ``generation`` names (beam search in place: the prompt once per row, its beams
+    copies of it; reordering: one row per hypothesis), and the config it decodes with (a
+    ``scan_layers`` model's unrolled one)."""
+    params, config = unrolled(params, config)
+    model = DecoderOnly(config)
+    batch_size = context.shape[0]
+    beam_size = generation.beam_size
+    cache = init_cache(model, params, batch_size, context.shape[1] + max_len)
+    cache = _constrain_cache(cache, mesh)
+    step = _sharded_step(_decoder_call(model, params, left_padding=left_padding), mesh)
+    _, cache = step(context[:, :-1], cache)  # prefill the prompt
+    # Beam search decodes batch * beam_size rows, each with its source's padding.
+    beam_padding = left_padding
+    if left_padding is not None and generation.method == "beam":
+        beam_padding = search.expand_to_beams(left_padding, beam_size)
+        if not in_place:
+            step = _sharded_step(_decoder_call(model, params, left_padding=beam_padding), mesh)
+    if in_place:
+        # The prompt was written once per row; its beams start as copies of it. A
+        # zero-length call adds the beams' ancestry (zeros: every slot from beam 0).
+        cache = _constrain_cache(search.expand_to_beams(cache, beam_size), mesh)
+        step = _sharded_step(
+            _decoder_call(model, params, beam_size=beam_size, left_padding=beam_padding), mesh
+        )
+        _, cache = step(jnp.zeros((batch_size * beam_size, 0), jnp.int32), cache)
+    return step, cache, config
 
 
 def left_padding_of(prompt_mask: Any, prompt_shape: tuple[int, ...]) -> np.ndarray:
@@ -678,6 +712,18 @@ def _checked_rng(generation: GenerationConfig, rng: jax.Array | None, mesh: Mesh
     if rng is None:
         raise ValueError("method='sample' needs an explicit rng (a jax.random key)")
     return _replicated(rng, mesh)
+
+
+def _placed(params: Any, model_class: type, config: TransformerConfig, mesh: Mesh) -> Any:
+    """``place_params`` of one model's parameters, or of each of a tuple (or list) of several
+    models' (an ensemble; one element: that model alone)."""
+    if not isinstance(params, (list, tuple)):
+        return place_params(params, model_class, config, mesh)
+    if not params:
+        raise ValueError("params: an empty sequence; give one model's parameters or a "
+                         "tuple of several models' (an ensemble)")  # fmt: skip
+    placed = tuple(place_params(p, model_class, config, mesh) for p in params)
+    return placed[0] if len(placed) == 1 else placed
 
 
 def generate(
@@ -739,16 +785,8 @@ def generate(
     inputs, rows = place_rows(inputs, mesh)
     max_len = generation.decode_len(config, source_len=inputs.shape[1])
     limits = _place_row_max_len(row_max_len, rows, inputs.shape[0], mesh, max_len)
-    if isinstance(params, (list, tuple)):
-        if not params:
-            raise ValueError("params: an empty sequence; give one model's parameters or a "
-                             "tuple of several models' (an ensemble)")  # fmt: skip
-        placed = tuple(place_params(p, EncoderDecoder, config, mesh) for p in params)
-        placed = placed[0] if len(placed) == 1 else placed
-    else:
-        placed = place_params(params, EncoderDecoder, config, mesh)
     return generate_jit(
-        placed,
+        _placed(params, EncoderDecoder, config, mesh),
         config,
         inputs,
         generation.canonical(),
@@ -770,7 +808,8 @@ def continue_prompt(
     prompt_mask: Any = None,
     **overrides: Any,
 ) -> tuple[jax.Array, jax.Array]:
-    """Continues prompts with a ``DecoderOnly`` language model.
+    """Continues prompts with a ``DecoderOnly`` language model, or with an ensemble of several
+    (``params`` a tuple of their parameter trees, one ``config``: as :func:`generate`).
 
     prompt: int `[batch, prompt_len]`; without ``prompt_mask`` every id is real. BOS is
     prepended here unless ``generation.prepend_bos`` is False (Hugging Face's ``generate``:
@@ -817,7 +856,7 @@ def continue_prompt(
     if left_padding is not None:  # split and padded (copies of row 0) like the prompt rows
         left_padding = place_rows(left_padding[:, None], mesh, "prompt_mask")[0][:, 0]
     return continue_prompt_jit(
-        place_params(params, DecoderOnly, config, mesh),
+        _placed(params, DecoderOnly, config, mesh),
         config,
         prompt,
         generation.canonical(),

@@ -30,9 +30,9 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from flaxformer_lite.core import sharding
-from flaxformer_lite.decoding.generate import generate
+from flaxformer_lite.decoding.generate import continue_prompt, generate
 from flaxformer_lite.decoding.search import BOS_ID, EOS_ID, PAD_ID, length_penalty
-from flaxformer_lite.models import EncoderDecoder
+from flaxformer_lite.models import DecoderOnly, EncoderDecoder
 from flaxformer_lite.nn.config import TransformerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -290,6 +290,38 @@ def test_beam_size_1_returns_an_early_eos_that_beats_greedy(params, inputs, gree
     assert differs == [True, False, False], "the seed no longer shows the case: new seed"
 
 
+def every_sequence(vocab_size: int, max_len: int) -> tuple[list[tuple[int, ...]], np.ndarray,
+                                                         jnp.ndarray]:  # fmt: skip
+    """Every output of at most ``max_len`` tokens: 0 to max_len - 1 non-EOS ids then EOS, or
+    max_len non-EOS ids (truncated). The hypotheses, their lengths and the targets
+    `[n, max_len]` (PAD after EOS: causal, never read)."""
+    non_eos = [t for t in range(vocab_size) if t != EOS_ID]
+    hypotheses = [
+        (*body, EOS_ID) for n in range(max_len) for body in itertools.product(non_eos, repeat=n)
+    ]
+    hypotheses += list(itertools.product(non_eos, repeat=max_len))
+    lengths = np.array([len(h) for h in hypotheses])
+    return hypotheses, lengths, padded([list(h) for h in hypotheses], max_len)
+
+
+def penalised_scores(logp, targets, lengths, alpha: float) -> np.ndarray:
+    """Each target's summed log-probability under ``logp`` `[n, max_len, vocab]` over its
+    length, divided by the GNMT length penalty (beam search's score)."""
+    picked = np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1)[..., 0]
+    total = np.where(np.arange(logp.shape[1]) < lengths[:, None], picked, 0.0).sum(-1)
+    return total / np.asarray(length_penalty(lengths, alpha))
+
+
+def greedy_path(logp, hypotheses, max_len: int) -> tuple[int, ...]:
+    """Greedy's path read from the enumeration's table ``logp`` `[n, max_len, vocab]`."""
+    path: tuple[int, ...] = ()
+    while len(path) < max_len and EOS_ID not in path:
+        t = len(path)
+        i = next(i for i, h in enumerate(hypotheses) if h[:t] == path)
+        path += (int(np.argmax(logp[i, t])),)
+    return path
+
+
 def test_beam_as_wide_as_the_search_space_finds_the_exhaustive_best():
     """Vocabulary 5 (PAD, EOS, BOS, UNK and one symbol), max_len 4: a hypothesis is 0-3
     non-EOS tokens then EOS, or 4 non-EOS tokens (truncated): 1 + 4 + 16 + 64 + 256 = 341
@@ -305,29 +337,16 @@ def test_beam_as_wide_as_the_search_space_finds_the_exhaustive_best():
     sequences, scores = generate(
         params, config, inputs, method="beam", beam_size=beam_size, alpha=alpha, max_len=max_len
     )
-    non_eos = [t for t in range(config.vocab_size) if t != EOS_ID]
-    hypotheses = [
-        (*body, EOS_ID) for n in range(max_len) for body in itertools.product(non_eos, repeat=n)
-    ]
-    hypotheses += list(itertools.product(non_eos, repeat=max_len))
+    hypotheses, lengths, targets = every_sequence(config.vocab_size, max_len)
     assert len(hypotheses) == 341
-    lengths = np.array([len(h) for h in hypotheses])
-    targets = padded([list(h) for h in hypotheses], max_len)  # PAD after EOS: causal, unread
-    penalty = np.asarray(length_penalty(lengths, alpha))
     for row in range(inputs.shape[0]):
         source = jnp.repeat(inputs[row : row + 1], len(hypotheses), axis=0)
         logp = teacher_forced_log_probs(params, config, source, targets)
-        picked = np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1)[..., 0]
-        total = np.where(np.arange(max_len) < lengths[:, None], picked, 0.0).sum(-1)
-        penalised = total / penalty
+        penalised = penalised_scores(logp, targets, lengths, alpha)
         best = int(np.argmax(penalised))
         # Greedy's path read from the same table: the test must tell beam search from greedy.
-        greedy_path: tuple[int, ...] = ()
-        while len(greedy_path) < max_len and EOS_ID not in greedy_path:
-            t = len(greedy_path)
-            i = next(i for i, h in enumerate(hypotheses) if h[:t] == greedy_path)
-            greedy_path += (int(np.argmax(logp[i, t])),)
-        assert greedy_path != hypotheses[best], f"row {row}: greedy finds the best too; new seed"
+        greedy = greedy_path(logp, hypotheses, max_len)
+        assert greedy != hypotheses[best], f"row {row}: greedy finds the best too; new seed"
         np.testing.assert_array_equal(np.asarray(sequences)[row], np.asarray(targets)[best])
         np.testing.assert_allclose(float(scores[row]), penalised[best], rtol=1e-5, atol=1e-5)
         # A runner-up close to the best would make the comparison a matter of rounding.
@@ -349,55 +368,90 @@ def test_an_ensemble_searches_the_mean_of_its_models_distributions():
     members = (init_params(config, seed=6, scale=1.0), init_params(config, seed=8, scale=1.0))
     inputs = padded([[4, 4, 1], [4, 1, 0]])
     max_len, alpha = 4, 0.6
-    non_eos = [t for t in range(config.vocab_size) if t != EOS_ID]
-    hypotheses = [
-        (*body, EOS_ID) for n in range(max_len) for body in itertools.product(non_eos, repeat=n)
-    ]
-    hypotheses += list(itertools.product(non_eos, repeat=max_len))
-    lengths = np.array([len(h) for h in hypotheses])
-    targets = padded([list(h) for h in hypotheses], max_len)
-    penalty = np.asarray(length_penalty(lengths, alpha))
-    decoded = {
-        cache: generate(
-            members,
-            config,
-            inputs,
-            method="beam",
-            beam_size=64,
-            alpha=alpha,
-            max_len=max_len,
-            beam_cache=cache,
-        )  # fmt: skip
-        for cache in ("in_place", "reorder")
-    }
+    hypotheses, lengths, targets = every_sequence(config.vocab_size, max_len)
+    decoded = beam_both_ways(
+        functools.partial(generate, members, config, inputs), alpha=alpha, max_len=max_len
+    )
     greedy_tokens, _ = generate(members, config, inputs, method="greedy", max_len=max_len)
-
-    def penalised(logp: np.ndarray) -> np.ndarray:
-        picked = np.take_along_axis(logp, np.asarray(targets)[..., None], axis=-1)[..., 0]
-        return np.where(np.arange(max_len) < lengths[:, None], picked, 0.0).sum(-1) / penalty
 
     for row in range(inputs.shape[0]):
         source = jnp.repeat(inputs[row : row + 1], len(hypotheses), axis=0)
         logps = [teacher_forced_log_probs(p, config, source, targets).astype(np.float64)
                  for p in members]  # fmt: skip
-        mean = np.logaddexp(logps[0], logps[1]) - np.log(2.0)  # log((p_a + p_b) / 2)
-        scores = penalised(mean)
-        best = int(np.argmax(scores))
-        assert all(best != int(np.argmax(penalised(lp))) for lp in logps), "new seeds"
-        assert scores[best] - np.sort(scores)[-2] > 1e-3, "near-tie: new seeds"
-        for cache, (sequences, got) in decoded.items():
-            np.testing.assert_array_equal(
-                np.asarray(sequences)[row], np.asarray(targets)[best], err_msg=cache
-            )
-            np.testing.assert_allclose(float(got[row]), scores[best], rtol=1e-5, atol=1e-5)
-        path: tuple[int, ...] = ()
-        while len(path) < max_len and EOS_ID not in path:
-            t = len(path)
-            i = next(i for i, h in enumerate(hypotheses) if h[:t] == path)
-            path += (int(np.argmax(mean[i, t])),)
+        check_ensemble_search(row, logps, decoded, greedy_tokens, alpha)
+
+
+def beam_both_ways(decode, **options) -> dict:
+    """``{beam_cache: decode(...)}`` of beam search with 64 beams (nothing pruned in the
+    341-sequence space), the cache in place and reordered."""
+    return {
+        cache: decode(method="beam", beam_size=64, beam_cache=cache, **options)
+        for cache in ("in_place", "reorder")
+    }
+
+
+def check_ensemble_search(row: int, logps, decoded: dict, greedy_tokens, alpha: float) -> None:
+    """Row ``row`` of an ensemble's searches against the enumeration (``every_sequence``) of
+    two models' teacher-forced float64 log-probabilities ``logps`` `[341, max_len, vocab]`:
+    each beam search in ``decoded`` ({beam_cache: (tokens, scores)}) returns the best sequence
+    under log((p_a + p_b) / 2) and its score, greedy follows that mean's argmax; the seeds
+    must make the best neither model's own, with no near-tie."""
+    max_len = logps[0].shape[1]
+    hypotheses, lengths, targets = every_sequence(logps[0].shape[2], max_len)
+    mean = np.logaddexp(logps[0], logps[1]) - np.log(2.0)  # log((p_a + p_b) / 2)
+    scores = penalised_scores(mean, targets, lengths, alpha)
+    best = int(np.argmax(scores))
+    own = [int(np.argmax(penalised_scores(lp, targets, lengths, alpha))) for lp in logps]
+    assert best not in own, "new seeds"
+    assert scores[best] - np.sort(scores)[-2] > 1e-3, "near-tie: new seeds"
+    for cache, (sequences, got) in decoded.items():
         np.testing.assert_array_equal(
-            np.asarray(greedy_tokens)[row], np.asarray(padded([list(path)], max_len))[0]
+            np.asarray(sequences)[row], np.asarray(targets)[best], err_msg=cache
         )
+        np.testing.assert_allclose(float(got[row]), scores[best], rtol=1e-5, atol=1e-5)
+    path = greedy_path(mean, hypotheses, max_len)
+    np.testing.assert_array_equal(
+        np.asarray(greedy_tokens)[row], np.asarray(padded([list(path)], max_len))[0]
+    )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def lm_logits(params, config, decoder_inputs):
+    """A DecoderOnly's logits `[batch, t, vocab]` of its (shifted) inputs, no cache."""
+    model = DecoderOnly(config)
+    return model.apply({"params": params}, decoder_inputs, method=model.decode)
+
+
+def test_an_ensemble_of_language_models_continues_with_the_mean_of_their_distributions():
+    """``continue_prompt(params=(a, b))``: two DecoderOnly models continue a prompt as one.
+    Each of the 341 continuations (at most 4 tokens, vocabulary 5) is scored under the mean
+    of the two models' teacher-forced probabilities after BOS and the prompt: beam search
+    (64 beams, in place and reordered) returns the best, greedy follows the mean's argmax."""
+    config = CONFIG.replace(vocab_size=5, d_model=16, d_ff=32)
+    tokens = jnp.ones((1, 4), jnp.int32)
+    members = tuple(
+        nn.meta.unbox(jax.jit(DecoderOnly(config).init)(jax.random.key(seed), tokens)["params"])
+        for seed in (1, 10)  # seeds that make the best neither model's own (asserted)
+    )
+    prompts = np.array([[4, 4], [4, 3]], np.int32)
+    max_len, alpha = 4, 0.6
+    decoded = beam_both_ways(
+        functools.partial(continue_prompt, members, config, prompts), alpha=alpha, max_len=max_len
+    )
+    greedy_tokens, _ = continue_prompt(members, config, prompts, method="greedy", max_len=max_len)
+    _, _, targets = every_sequence(config.vocab_size, max_len)
+    for row, prompt in enumerate(prompts):
+        context = np.concatenate([[BOS_ID], prompt])
+        inputs = np.concatenate(
+            [np.repeat(context[None], targets.shape[0], axis=0), np.asarray(targets)[:, :-1]],
+            axis=1,
+        ).astype(np.int32)
+        logps = [
+            np.asarray(jax.nn.log_softmax(lm_logits(p, config, jnp.asarray(inputs)), axis=-1),
+                       np.float64)[:, len(context) - 1 :]
+            for p in members
+        ]  # fmt: skip
+        check_ensemble_search(row, logps, decoded, greedy_tokens, alpha)
 
 
 def test_an_ensemble_of_one_model_twice_decodes_as_the_model(params, inputs, greedy):
