@@ -277,6 +277,44 @@ def test_left_padding_changes_no_row_of_our_own_continuation(decoding):
     np.testing.assert_array_equal(np.asarray(padded)[1], np.asarray(alone)[0])
 
 
+def test_an_ensemble_continues_left_padded_rows_as_each_alone(decoding):
+    """The folder's model and a perturbed copy as one ensemble (``continue_prompt(params=(a,
+    b))``, each model its own prefilled cache) over left-padded prompts: with beam 4, the
+    cache in place and reordered (each member's beams carry their row's padding), a padded
+    row (the one whose continuation varies most) continues as it does unpadded and alone, and
+    the ensemble's tokens are not the first model's."""
+    _, _, config, params, ids, mask = decoding
+    rng = np.random.default_rng(0)
+    other = jax.tree_util.tree_map(
+        lambda x: (np.asarray(x) * (1.0 + 0.5 * rng.standard_normal(np.shape(x)))).astype(
+            np.asarray(x).dtype
+        ),
+        params,
+    )
+    body, body_mask = ids[:, 1:], mask[:, 1:]  # BOS dropped: continue_prompt adds it
+    members = (params, other)
+    beams = {
+        cache: GenerationConfig(method="beam", beam_size=4, max_len=MAX_NEW, beam_cache=cache)
+        for cache in ("in_place", "reorder")
+    }
+    padded = {
+        cache: np.asarray(
+            continue_prompt(members, config, body, generation, prompt_mask=body_mask)[0]
+        )
+        for cache, generation in beams.items()
+    }
+    # The padded row whose continuation varies most (random tiny models often repeat one id).
+    rows = np.flatnonzero((body_mask == 0).any(axis=1))
+    row = int(rows[np.argmax([len(set(padded["in_place"][r])) for r in rows])])
+    assert len(set(padded["in_place"][row])) >= 3, padded["in_place"][row]
+    alone_ids = body[row][body_mask[row] == 1][None]
+    for cache, generation in beams.items():
+        alone, _ = continue_prompt(members, config, alone_ids, generation)
+        np.testing.assert_array_equal(padded[cache][row], np.asarray(alone)[0], err_msg=cache)
+    first, _ = continue_prompt(params, config, body, beams["in_place"], prompt_mask=body_mask)
+    assert not np.array_equal(np.asarray(first), padded["in_place"])
+
+
 @pytest.mark.parametrize(
     "mask,message",
     [
