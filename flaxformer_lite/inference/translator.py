@@ -22,6 +22,7 @@ shapes, so ``jax.jit`` compiles once per shape, not once per batch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -479,8 +480,7 @@ class Translator:
                         f"different {side.replace('_vocab', '')} vocabularies: an ensemble "
                         "needs one (train the runs with the same vocabulary)"
                     )
-        ensemble = object.__new__(cls)
-        ensemble.__dict__.update(first.__dict__)
+        ensemble = copy.copy(first)  # its vocabularies, mesh and decoding options
         ensemble.params = tuple(
             place_params(m.params, EncoderDecoder, first.config, first.mesh) for m in members
         )
