@@ -422,6 +422,46 @@ def lm_logits(params, config, decoder_inputs):
     return model.apply({"params": params}, decoder_inputs, method=model.decode)
 
 
+@pytest.mark.parametrize("position", ["sinusoidal", "learned", "relative"])
+def test_a_left_padded_prompt_continues_at_its_own_positions(position):
+    """``continue_prompt(prompt_mask=...)`` with the position encodings that are not rotary
+    (tests/interop/test_hf_llama.py covers rotary against transformers): sinusoids and a
+    learned table enter at the embeddings, where a left-padded row's positions must count its
+    real tokens only; T5's relative bias sees distances. Greedy equals a greedy loop over the
+    uncached model on the row's real tokens alone (top-2 margins asserted), with its score;
+    beam 4 (cache in place) continues the row as it continues unpadded."""
+    config = CONFIG.replace(vocab_size=11, d_model=16, d_ff=32, num_decoder_layers=2,
+                            max_len=24, position=position, norm_position="pre")  # fmt: skip
+    model = DecoderOnly(config)
+    variables = jax.jit(model.init)(jax.random.key(1), jnp.ones((1, 4), jnp.int32))
+    params = nn.meta.unbox(variables["params"])
+    prompt = np.array([[5, 7, 3, 9, 4, 6], [PAD_ID, PAD_ID, PAD_ID, 8, 3, 10]], np.int32)
+    mask = (np.arange(6)[None] >= np.array([[0], [3]])).astype(np.int32)
+    real = prompt[1:, 3:]
+    new = 5
+    tokens, scores = continue_prompt(params, config, prompt, method="greedy", max_len=new,
+                                     prompt_mask=mask)  # fmt: skip
+    context, score = [BOS_ID, *real[0]], 0.0
+    for _ in range(new):
+        logits = np.asarray(lm_logits(params, config, jnp.asarray([context])), np.float64)[0, -1]
+        top = np.sort(logits)[-2:]
+        assert top[1] - top[0] > MIN_MARGIN
+        logp = logits - np.logaddexp.reduce(logits)
+        context.append(int(np.argmax(logits)))
+        score += logp[context[-1]]
+        if context[-1] == EOS_ID:
+            break
+    got = np.asarray(tokens)[1]
+    want = context[len(real[0]) + 1 :]
+    np.testing.assert_array_equal(got[: len(want)], want)
+    np.testing.assert_allclose(float(scores[1]), score, rtol=1e-5, atol=1e-5)
+    beam = {"method": "beam", "beam_size": 4, "max_len": new, "beam_cache": "in_place"}
+    padded, padded_scores = continue_prompt(params, config, prompt, prompt_mask=mask, **beam)
+    alone, alone_scores = continue_prompt(params, config, real, **beam)
+    np.testing.assert_array_equal(np.asarray(padded)[1], np.asarray(alone)[0])
+    np.testing.assert_allclose(float(padded_scores[1]), float(alone_scores[0]), rtol=1e-5)
+
+
 def test_an_ensemble_of_language_models_continues_with_the_mean_of_their_distributions():
     """``continue_prompt(params=(a, b))``: two DecoderOnly models continue a prompt as one.
     Each of the 341 continuations (at most 4 tokens, vocabulary 5) is scored under the mean
