@@ -427,8 +427,8 @@ def test_a_left_padded_prompt_continues_at_its_own_positions(position):
     """``continue_prompt(prompt_mask=...)`` with the position encodings that are not rotary
     (tests/interop/test_hf_llama.py covers rotary against transformers): sinusoids and a
     learned table enter at the embeddings, where a left-padded row's positions must count its
-    real tokens only; T5's relative bias sees distances. Greedy equals a greedy loop over the
-    uncached model on the row's real tokens alone (top-2 margins asserted), with its score;
+    real tokens only; T5's relative bias sees distances. Greedy follows the argmax (top-2
+    margins asserted) of the uncached model run on the row's real tokens alone, with its score;
     beam 4 (cache in place) continues the row as it continues unpadded."""
     config = CONFIG.replace(vocab_size=11, d_model=16, d_ff=32, num_decoder_layers=2,
                             max_len=24, position=position, norm_position="pre")  # fmt: skip
@@ -441,19 +441,19 @@ def test_a_left_padded_prompt_continues_at_its_own_positions(position):
     new = 5
     tokens, scores = continue_prompt(params, config, prompt, method="greedy", max_len=new,
                                      prompt_mask=mask)  # fmt: skip
-    context, score = [BOS_ID, *real[0]], 0.0
-    for _ in range(new):
-        logits = np.asarray(lm_logits(params, config, jnp.asarray([context])), np.float64)[0, -1]
-        top = np.sort(logits)[-2:]
-        assert top[1] - top[0] > MIN_MARGIN
-        logp = logits - np.logaddexp.reduce(logits)
-        context.append(int(np.argmax(logits)))
-        score += logp[context[-1]]
-        if context[-1] == EOS_ID:
-            break
     got = np.asarray(tokens)[1]
-    want = context[len(real[0]) + 1 :]
-    np.testing.assert_array_equal(got[: len(want)], want)
+    eos = np.flatnonzero(got == EOS_ID)
+    got = got[: eos[0] + 1] if eos.size else got
+    # One teacher-forced call over BOS, the real tokens and the continuation: each new token
+    # must be the argmax (by a margin) of the logits before it.
+    context = np.concatenate([[BOS_ID], real[0], got[:-1]]).astype(np.int32)
+    logits = np.asarray(lm_logits(params, config, jnp.asarray(context[None])), np.float64)[0]
+    logits = logits[len(real[0]) :]  # [len(got), vocab]: the logits that chose each new token
+    top = np.sort(logits, axis=-1)[:, -2:]
+    assert (top[:, 1] - top[:, 0] > MIN_MARGIN).all()
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    score = logp[np.arange(len(got)), got].sum()
     np.testing.assert_allclose(float(scores[1]), score, rtol=1e-5, atol=1e-5)
     beam = {"method": "beam", "beam_size": 4, "max_len": new, "beam_cache": "in_place"}
     padded, padded_scores = continue_prompt(params, config, prompt, prompt_mask=mask, **beam)
