@@ -11,7 +11,13 @@ round, so machine load hits all variants alike), the median time of:
 * ``w8_dequant``: weight-only int8, the weights converted to float32 inside the jitted call,
   float32 dot, output columns scaled (what XLA does when the weights stay int8 in memory);
 * ``int8_pad4``: ``int8_dot`` with fewer than 4 rows padded to 4 with zeros and the result
-  sliced back (what ``ops.quantize.int8_matmul`` does: ``MIN_INT8_ROWS``).
+  sliced back (what ``ops.quantize.int8_matmul`` does on XLA's dot: ``MIN_INT8_ROWS``);
+* ``onednn_dot``: the exact int8 x int8 -> int32 product by oneDNN's kernel
+  (``ops.onednn_int8.matmul``), the weights packed once beforehand, as a decoding loop has them
+  (XLA hoists the pack out of the loop);
+* ``onednn_dynamic``: ``ops.quantize.int8_matmul`` with ``kernel="onednn"``: the whole dynamic
+  scheme (as ``int8_dynamic``) with that product, the pack inside the call.
+The oneDNN variants are left out (with the reason printed) where the kernel does not load.
 
 Each XLA_FLAGS setting runs in its own subprocess (XLA reads the flags once per process).
 Prints ratios vs f32 (>1: faster than float32) and writes bench/results/int8_matmul.json
@@ -42,12 +48,21 @@ K = 512
 SHAPES = [(m, K, n) for m in (1, 32, 128) for n in (512, 2048, 58101)]
 SHAPES += [(2048, K, 512), (2048, K, 2048)]  # train-ish
 VARIANTS = ("f32", "int8_dot", "int8_dynamic", "bf16", "w8_dequant", "int8_pad4")
+VARIANTS += ("onednn_dot", "onednn_dynamic")
 
 
 def worker(rounds: int) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from flaxformer_lite.ops import onednn_int8
+    from flaxformer_lite.ops.quantize import int8_matmul
+
+    variants = VARIANTS
+    if onednn_int8.unavailable_reason():
+        print("oneDNN kernel left out:", onednn_int8.unavailable_reason(), file=sys.stderr)
+        variants = tuple(v for v in VARIANTS if not v.startswith("onednn"))
 
     def quantize_rows(x):  # [M, K] -> int8 [M, K], scale [M, 1]
         scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), 1e-30) / 127.0
@@ -72,6 +87,8 @@ def worker(rounds: int) -> dict:
         "int8_pad4": jax.jit(
             lambda a, b: int_dot(jnp.pad(a, ((0, max(0, 4 - a.shape[0])), (0, 0))), b)[: a.shape[0]]
         ),
+        "onednn_dot": jax.jit(lambda a, p, n: onednn_int8.matmul(a, p, n), static_argnums=2),
+        "onednn_dynamic": jax.jit(lambda x, wq, ws: int8_matmul(x, wq, ws[0], kernel="onednn")),
     }
     out = {}
     rng = np.random.default_rng(0)
@@ -90,15 +107,18 @@ def worker(rounds: int) -> dict:
             "w8_dequant": (x, wq, ws),
             "int8_pad4": (xq, wq),
         }
-        for v in VARIANTS:  # compile + warm
+        if "onednn_dot" in variants:
+            args["onednn_dot"] = (xq, jax.jit(onednn_int8.pack)(wq), n)
+            args["onednn_dynamic"] = (x, wq, ws)
+        for v in variants:  # compile + warm
             fns[v](*args[v]).block_until_ready()
         # Enough repetitions for ~20 ms per timing at float32 speed.
         t0 = time.perf_counter()
         fns["f32"](*args["f32"]).block_until_ready()
         reps = max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
-        times = {v: [] for v in VARIANTS}
+        times = {v: [] for v in variants}
         for r in range(rounds):
-            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for v in order:
                 t0 = time.perf_counter()
                 for _ in range(reps):
@@ -108,7 +128,7 @@ def worker(rounds: int) -> dict:
         med = {v: statistics.median(t) for v, t in times.items()}
         out[f"{m}x{k}x{n}"] = {
             "f32_ms": med["f32"] * 1e3,
-            **{f"{v}_vs_f32": med["f32"] / med[v] for v in VARIANTS[1:]},
+            **{f"{v}_vs_f32": med["f32"] / med[v] for v in variants[1:]},
         }
     return out
 
@@ -137,10 +157,11 @@ def main() -> None:
             continue
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"\n{name} (XLA_FLAGS={SETTINGS[name]!r}): speed vs float32 (>1 = faster)")
-        print("| M x K x N | f32 ms | " + " | ".join(VARIANTS[1:]) + " |")
-        print("|---|---:|" + "---:|" * (len(VARIANTS) - 1))
+        shown = [v for v in VARIANTS[1:] if f"{v}_vs_f32" in next(iter(results[name].values()))]
+        print("| M x K x N | f32 ms | " + " | ".join(shown) + " |")
+        print("|---|---:|" + "---:|" * len(shown))
         for shape, row in results[name].items():
-            ratios = " | ".join(f"{row[f'{v}_vs_f32']:.2f}" for v in VARIANTS[1:])
+            ratios = " | ".join(f"{row[f'{v}_vs_f32']:.2f}" for v in shown)
             print(f"| {shape} | {row['f32_ms']:.3f} | {ratios} |")
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if "Model name" in ln), "")

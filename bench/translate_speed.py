@@ -22,7 +22,10 @@ rotates every round, so machine load hits every system alike), greedy and beam 4
   model, ``compute_type`` float32 or int8 (weights quantized at load), ``beam_size`` 1 or 4;
 * ``flaxformer_lite-int8``: ours with ``quantize.quantize_params`` and
   ``quantization="int8"`` (int8 weights per output channel, int8 activations per row, int32
-  accumulation: CTranslate2's int8 scheme).
+  accumulation: CTranslate2's int8 scheme), its products by oneDNN's VNNI / AMX kernel where
+  it loads (``int8_kernel="auto"``, ``ops.onednn_int8``);
+* ``ours-int8-xla``: the same int8 model with ``int8_kernel="xla"``, XLA's int8 dot (the same
+  int32 products, so the same tokens: its agreement with ``flaxformer_lite-int8`` is checked).
 * ``flaxformer_lite-bf16``: ours with the weights stored and the matmuls computed in bfloat16
   (``Translator(dtype="bfloat16")``'s ``with_dtype``), against ``ct2-bfloat16`` and
   ``ct2-int8_bfloat16`` (CTranslate2's compute types, where the CPU has them:
@@ -70,6 +73,7 @@ from flaxformer_lite.decoding.generate import generate_jit, place_params
 from flaxformer_lite.inference.translator import with_dtype
 from flaxformer_lite.interop import hf
 from flaxformer_lite.models import EncoderDecoder
+from flaxformer_lite.ops import onednn_int8
 from flaxformer_lite.ops.quantize import quantize_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -112,6 +116,7 @@ SYSTEMS = (
     "ct2-float32",
     "ct2-int8",
     "flaxformer_lite-int8",
+    "ours-int8-xla",
     "flaxformer_lite-bf16",
     "ct2-bfloat16",
     "ct2-int8_bfloat16",
@@ -236,6 +241,7 @@ def main() -> None:
         kinds = {  # our systems' weights and configs, placed on their devices once per cell
             "f32": (params, config),
             "int8": (params_q, config_q),
+            "int8-xla": (params_q, config_q.replace(int8_kernel="xla")),
             "bf16": (params_bf16, config_bf16),
         }
         supported = ctranslate2.get_supported_compute_types("cpu")
@@ -262,6 +268,7 @@ def main() -> None:
                     mesh = batch_mesh(batch)
                     wanted = [("f32", mesh)]
                     wanted += [("int8", mesh)] if "flaxformer_lite-int8" in systems else []
+                    wanted += [("int8-xla", mesh)] if "ours-int8-xla" in systems else []
                     wanted += [("bf16", mesh)] if "flaxformer_lite-bf16" in systems else []
                     wanted += [("f32", one_device)] if "ours-1device" in systems else []
                     placed = {  # as the Translator does: on the devices once, not per call
@@ -289,6 +296,9 @@ def main() -> None:
                     compiled = compile_ours("f32")
                     compile_s = time.perf_counter() - start
                     compiled_q = compile_ours("int8") if ("int8", mesh) in wanted else None
+                    compiled_q_xla = (
+                        compile_ours("int8-xla") if ("int8-xla", mesh) in wanted else None
+                    )
                     compiled_bf16 = compile_ours("bf16") if ("bf16", mesh) in wanted else None
                     on_one = (
                         compile_ours("f32", mesh=one_device) if "ours-1device" in systems else None
@@ -336,6 +346,7 @@ def main() -> None:
                         "ct2-float32": lambda: run_ct2("ct2-float32"),
                         "ct2-int8": lambda: run_ct2("ct2-int8"),
                         "flaxformer_lite-int8": lambda c=compiled_q, s=src: run_ours(c, s, "int8"),
+                        "ours-int8-xla": lambda c=compiled_q_xla, s=src: run_ours(c, s, "int8-xla"),
                         "flaxformer_lite-bf16": lambda c=compiled_bf16, s=src: run_ours(
                             c, s, "bf16"
                         ),
@@ -354,12 +365,16 @@ def main() -> None:
                     for name, out in outputs.items():
                         assert out.shape == (batch, new), (name, out.shape)
                         assert not (out == config.eos_id).any(), name
+                    if {"flaxformer_lite-int8", "ours-int8-xla"} <= set(outputs):  # exact int32
+                        same = outputs["flaxformer_lite-int8"] == outputs["ours-int8-xla"]
+                        assert same.all(), "the int8 kernels' tokens differ"
                     row = dict(
                         method=method,
                         batch=batch,
                         new_tokens=new,
                         compile_s=compile_s,
                         devices=int(mesh.devices.size),
+                        int8_kernel="xla" if onednn_int8.unavailable_reason() else "onednn",
                     )
                     for name in cell:
                         seconds = statistics.median(times[name])
@@ -379,6 +394,7 @@ def main() -> None:
         ("ct2-int8 / ct2-f32", "ct2-int8", "ct2-float32"),
         ("ours-int8 / ours", "flaxformer_lite-int8", "flaxformer_lite"),
         ("ours-int8 / ct2-int8", "flaxformer_lite-int8", "ct2-int8"),
+        ("ours-int8 / ours-int8-xla", "flaxformer_lite-int8", "ours-int8-xla"),
         ("ours-bf16 / ours", "flaxformer_lite-bf16", "flaxformer_lite"),
         ("ours-bf16 / ct2-bf16", "flaxformer_lite-bf16", "ct2-bfloat16"),
         ("ours-bf16 / ct2-int8-bf16", "flaxformer_lite-bf16", "ct2-int8_bfloat16"),

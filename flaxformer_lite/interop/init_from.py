@@ -58,7 +58,7 @@ TRAINING_FIELDS = (
     "dropout_rate attention_dropout_rate dtype param_dtype attention_implementation remat"
     " scan_layers expert_capacity_factor moe_aux_loss_weight router_z_loss_weight"
     " activation_dropout_rate"  # BART / mBART
-    " word_dropout_rate"
+    " word_dropout_rate int8_kernel"
 ).split()
 # Fields the fine-tuning data's vocabulary decides (train.model_config): its sizes (a grown or
 # shrunk vocabulary is partially restored) and its special ids.

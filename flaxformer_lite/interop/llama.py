@@ -283,7 +283,7 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 #   T5's scale_attention_logits and scale_decoder_output;
 # - not part of the saved function: num_encoder_layers (no encoder), dropout_rate (training
 #   only; Llama has none), sinusoid_layout, share_embeddings (one table), relative_*,
-#   the classifier's, precision, layout and MoE training fields, unk_id.
+#   the classifier's, precision, layout and MoE training fields, unk_id, int8_kernel.
 WANTED = {
     "activation": "swiglu",
     "norm_position": "pre",

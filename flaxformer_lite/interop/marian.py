@@ -158,7 +158,8 @@ def config_from_hf(hf: Mapping[str, Any], *, unk_id: int | None = None) -> Trans
 #   relative_max_distance; the Llama family's rope_theta, rope_scaling_factor,
 #   rope_low_freq_factor, rope_high_freq_factor, rope_original_max_len (rotary only, which
 #   is refused) and qkv_bias (inert: Marian has use_bias=True); word_dropout_rate (training
-#   only; Marian's config has no field for it).
+#   only; Marian's config has no field for it); int8_kernel (what multiplies int8 weights,
+#   the same integer products either way).
 MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; MarianConfig has no field
 
 

@@ -227,7 +227,7 @@ def config_from_state(
 #   positions are refused), dtype, param_dtype, attention_implementation, remat, scan_layers,
 #   num_classes, pooling, unk_id, sinusoid_layout (no sinusoids), the MoE sizes and weights,
 #   attention_window_layers, the Llama family's rope_* (rotary only, which is refused),
-#   word_dropout_rate (training only).
+#   word_dropout_rate (training only), int8_kernel (the same integer products either way).
 def problems(config: TransformerConfig, *, dequantize: bool = False) -> list[str]:
     """What keeps ``config`` from being written as a T5 model (empty when nothing)."""
     wanted = {

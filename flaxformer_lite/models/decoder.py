@@ -252,7 +252,13 @@ class Decoder(nn.Module):
         if cfg.tie_output_embedding:
             logits = self.embedding.attend(x)
         elif cfg.quantization is not None:
-            logits = Int8Dense(cfg.output_vocab_size, ("embed", "vocab"), False, name="logits")(x)
+            logits = Int8Dense(
+                cfg.output_vocab_size,
+                ("embed", "vocab"),
+                False,
+                int8_kernel=cfg.int8_kernel,
+                name="logits",
+            )(x)
         else:
             logits = nn.DenseGeneral(
                 cfg.output_vocab_size,

@@ -26,6 +26,7 @@ def make_embedding(
         param_dtype=config.parameter_dtype,
         scale=config.scale_embeddings,
         int8_attend=attends and config.tie_output_embedding and config.quantization is not None,
+        int8_kernel=config.int8_kernel,
         name=name,
     )
 

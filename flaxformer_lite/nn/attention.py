@@ -107,6 +107,7 @@ class MultiHeadAttention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     quantization: str | None = None
+    int8_kernel: str = "auto"  # with an int8 kernel: what multiplies it (quantize.int8_product)
     rope_theta: float | None = None
     rope_scaling: tuple[float, float, float, int] | None = None
     qkv_bias: bool | None = None
@@ -217,6 +218,7 @@ class MultiHeadAttention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             quantization=self.quantization,
+            int8_kernel=self.int8_kernel,
             name=name,
         )(x)
 
@@ -231,6 +233,7 @@ class MultiHeadAttention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             quantization=self.quantization,
+            int8_kernel=self.int8_kernel,
             name="qkv",
         )(x)
 
@@ -314,6 +317,7 @@ class MultiHeadAttention(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             quantization=self.quantization,
+            int8_kernel=self.int8_kernel,
             name="out",
         )(out)
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flaxformer_lite.core.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from flaxformer_lite.ops.activations import ACTIVATIONS as _ACTIVATION_FUNCTIONS
 from flaxformer_lite.ops.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from flaxformer_lite.ops.quantize import QUANTIZATIONS
+from flaxformer_lite.ops.quantize import INT8_KERNELS, QUANTIZATIONS
 
 ACTIVATIONS = tuple(_ACTIVATION_FUNCTIONS)
 NORM_POSITIONS = ("post", "pre")
@@ -138,6 +138,10 @@ class TransformerConfig:
       quantization: None (float) or "int8": inference with int8 weights and per-row int8
         activations (``quantize``: the parameters must come from ``quantize.quantize_params``;
         encoder-decoder and decoder-only models; mixture-of-experts blocks stay float).
+      int8_kernel: what multiplies the int8 matrices on a CPU: "onednn" (oneDNN's VNNI / AMX
+        kernels, ``ops.onednn_int8``), "xla" (XLA's int8 dot), or "auto" (oneDNN where its
+        kernel builds and loads, XLA otherwise). The int32 products are exact either way, so
+        the choice changes speed, never a result; other platforms always use XLA's dot.
 
     BART / mBART (``interop/bart.py``; defaults leave every other model as it was):
       learned_position_offset: rows the learned position table keeps before position 0
@@ -228,6 +232,7 @@ class TransformerConfig:
     relative_max_distance: int = 128
     head_dim: int | None = None
     quantization: str | None = None
+    int8_kernel: str = "auto"
     # BART / mBART (interop/bart.py).
     learned_position_offset: int = 0
     embedding_norm: bool = False
@@ -332,6 +337,7 @@ class TransformerConfig:
             "pooling": POOLINGS,
             "attention_window_layers": ATTENTION_WINDOW_LAYERS,
             "quantization": QUANTIZATIONS,
+            "int8_kernel": INT8_KERNELS,
         }
         for name, valid in choices.items():
             if getattr(self, name) not in valid:

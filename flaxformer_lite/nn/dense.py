@@ -52,13 +52,20 @@ def make_kernel(
 
 
 def kernel_matmul(
-    subscripts: str, x: Array, kernel: Array, scale: Array | None, dtype: Dtype, in_axes: int = 1
+    subscripts: str,
+    x: Array,
+    kernel: Array,
+    scale: Array | None,
+    dtype: Dtype,
+    in_axes: int = 1,
+    *,
+    int8_kernel: str = "auto",
 ) -> Array:
     """``einsum_in(subscripts, x, kernel, dtype)``; with a ``scale`` (an int8 kernel) the
-    int8 x int8 -> int32 matmul of ``quantize.int8_matmul`` instead."""
+    int8 x int8 -> int32 matmul of ``quantize.int8_matmul`` (by ``int8_kernel``) instead."""
     if scale is None:
         return einsum_in(subscripts, x, kernel, dtype)
-    return int8_matmul(x, kernel, scale, in_axes).astype(dtype)
+    return int8_matmul(x, kernel, scale, in_axes, int8_kernel).astype(dtype)
 
 
 class Int8Dense(nn.Module):
@@ -72,12 +79,13 @@ class Int8Dense(nn.Module):
     names: tuple[str, str]
     use_bias: bool = True
     dtype: Dtype = jnp.float32
+    int8_kernel: str = "auto"  # what multiplies the kernel (quantize.int8_product)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         shape = (x.shape[-1], self.features)
         kernel, scale = make_kernel(self, "kernel", _zeros, self.names, shape, jnp.int8, "int8")
-        y = int8_matmul(x, kernel, scale).astype(self.dtype)
+        y = int8_matmul(x, kernel, scale, kernel=self.int8_kernel).astype(self.dtype)
         if self.use_bias:
             bias = self.param("bias", logical_init(_zeros, self.names[1:]), (self.features,))
             y = y + bias.astype(self.dtype)

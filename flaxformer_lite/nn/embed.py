@@ -39,7 +39,8 @@ class Embed(nn.Module):
     ``scale=False`` looks tokens up unscaled (Marian models with ``scale_embedding=False``).
     ``int8_attend``: ``attend`` multiplies in int8 by ``attend_kernel`` int8 `[features, vocab]`
     (the table transposed, quantized per vocabulary entry, with ``attend_kernel_scale``
-    `[vocab]`; ``quantize.quantize_params``), while lookups keep reading the float table.
+    `[vocab]`; ``quantize.quantize_params``), while lookups keep reading the float table;
+    ``int8_kernel`` says what multiplies it (``quantize.int8_product``).
     """
 
     num_embeddings: int
@@ -48,6 +49,7 @@ class Embed(nn.Module):
     param_dtype: Dtype = jnp.float32
     scale: bool = True
     int8_attend: bool = False
+    int8_kernel: str = "auto"
 
     def setup(self) -> None:
         self.embedding = self.param(
@@ -79,7 +81,8 @@ class Embed(nn.Module):
     def attend(self, x: Array) -> Array:
         """`[batch, length, features]` -> logits `[batch, length, vocab]` (x times table^T)."""
         if self.int8_attend:
-            return int8_matmul(x, self.attend_kernel, self.attend_scale).astype(self.dtype)
+            q, scale = self.attend_kernel, self.attend_scale
+            return int8_matmul(x, q, scale, kernel=self.int8_kernel).astype(self.dtype)
         table = jnp.asarray(self.embedding, self.dtype)
         return tied_logits(x.astype(self.dtype), table)
 

@@ -102,6 +102,7 @@ def _attention(
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
         quantization=config.quantization,
+        int8_kernel=config.int8_kernel,
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling,
         qkv_bias=config.use_bias or config.qkv_bias,
@@ -142,6 +143,7 @@ def _mlp(config: TransformerConfig) -> MlpBlock:
         dtype=config.compute_dtype,
         param_dtype=config.parameter_dtype,
         quantization=config.quantization,
+        int8_kernel=config.int8_kernel,
         dropout_rate=config.activation_dropout_rate,
         name="mlp",
     )

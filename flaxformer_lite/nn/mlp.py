@@ -37,13 +37,16 @@ class MlpBlock(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     quantization: str | None = None
+    int8_kernel: str = "auto"  # with an int8 kernel: what multiplies it (quantize.int8_product)
     dropout_rate: float = 0.0
 
     @nn.compact
     def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
         def dense(features: int, names: tuple[str, str], name: str) -> nn.Module:
             if self.quantization is not None:
-                return Int8Dense(features, names, self.use_bias, self.dtype, name=name)
+                return Int8Dense(
+                    features, names, self.use_bias, self.dtype, self.int8_kernel, name=name
+                )
             return nn.Dense(
                 features,
                 use_bias=self.use_bias,

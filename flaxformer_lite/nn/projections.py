@@ -41,6 +41,7 @@ class HeadProjection(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     quantization: str | None = None
+    int8_kernel: str = "auto"  # with an int8 kernel: what multiplies it (quantize.int8_product)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -49,7 +50,9 @@ class HeadProjection(nn.Module):
         kernel, scale = make_kernel(
             self, "kernel", init, self.axis_names, shape, self.param_dtype, self.quantization
         )
-        y = kernel_matmul("bld,dhk->blhk", x, kernel, scale, self.dtype)
+        y = kernel_matmul(
+            "bld,dhk->blhk", x, kernel, scale, self.dtype, int8_kernel=self.int8_kernel
+        )
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -108,6 +111,7 @@ class FusedQKVProjection(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     quantization: str | None = None
+    int8_kernel: str = "auto"  # with an int8 kernel: what multiplies it (quantize.int8_product)
 
     def _project(self, x: Array, name: str, init, names: tuple, shape: tuple) -> Array:
         """x `[b, l, embed]` times kernel `[embed, *shape]` (+ bias `[*shape]`)."""
@@ -120,7 +124,9 @@ class FusedQKVProjection(nn.Module):
             self.param_dtype,
             self.quantization,
         )
-        y = kernel_matmul("bld,d...->bl...", x, kernel, scale, self.dtype)
+        y = kernel_matmul(
+            "bld,d...->bl...", x, kernel, scale, self.dtype, int8_kernel=self.int8_kernel
+        )
         if self.use_bias:
             bias_init = logical_init(_zeros, names[1:])
             bias = self.param(f"{name}bias", bias_init, shape, self.param_dtype)
@@ -153,6 +159,7 @@ class OutputProjection(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     quantization: str | None = None
+    int8_kernel: str = "auto"  # with an int8 kernel: what multiplies it (quantize.int8_product)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -162,7 +169,9 @@ class OutputProjection(nn.Module):
         kernel, scale = make_kernel(
             self, "kernel", init, names, shape, self.param_dtype, self.quantization, in_axes=2
         )
-        y = kernel_matmul("blhk,hkd->bld", x, kernel, scale, self.dtype, in_axes=2)
+        y = kernel_matmul(
+            "blhk,hkd->bld", x, kernel, scale, self.dtype, in_axes=2, int8_kernel=self.int8_kernel
+        )
         if self.use_bias:
             bias = self.param(
                 "bias", logical_init(_zeros, ("embed",)), (self.features,), self.param_dtype

@@ -4,7 +4,9 @@ The scheme is CTranslate2's ``int8``: every weight matrix `[in..., out...]` is s
 ``q`` with one float32 scale per output channel ``s = max|w[:, c]| / 127`` (``w ~ q * s``,
 round to nearest, so ``|w - q * s| <= s / 2``). At run time each activation row is quantized
 the same way (dynamic, per row: ``x ~ p * r``), the int8 dot accumulates exactly in int32 and
-the result is rescaled: ``y[i, c] = (p @ q)[i, c] * r[i] * s[c]``.
+the result is rescaled: ``y[i, c] = (p @ q)[i, c] * r[i] * s[c]``. On an x86-64 CPU the int32
+product comes from oneDNN's VNNI / AMX kernel (``onednn_int8``; ``int8_product``'s
+``kernel``, ``TransformerConfig.int8_kernel``), elsewhere from XLA's int8 dot: exact either way.
 
 Quantized: the attention projections (query/key/value or fused, output), the feed-forward
 ``wi``/``wi_up``/``wo`` and the output projection (the untied ``logits`` kernel, or for a tied
@@ -30,9 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_lite.ops import onednn_int8
+
 Array = jax.Array
 
 QUANTIZATIONS = (None, "int8")
+# What multiplies int8 matrices on a CPU (``int8_product``): exact int32 products either way.
+INT8_KERNELS = ("auto", "xla", "onednn")
+# "auto" leaves matrices of fewer entries to XLA's dot, which multiplies them faster than a
+# call into oneDNN costs (docs/benchmarks.md, "int8 through oneDNN").
+ONEDNN_MIN_WEIGHTS = 512 * 512
 SCALE_SUFFIX = "_scale"
 # Parent module name -> how many leading kernel axes are contracted (the input axes).
 _IN_AXES = {"query": 1, "key": 1, "value": 1, "qkv": 1, "out": 2, "logits": 1}
@@ -74,13 +83,13 @@ def quantize_rows(x: Array) -> tuple[Array, Array]:
     return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
 
 
-def int8_matmul(x: Array, q: Array, scale: Array, in_axes: int = 1) -> Array:
+def int8_matmul(x: Array, q: Array, scale: Array, in_axes: int = 1, kernel: str = "auto") -> Array:
     """``x`` float `[..., in...]` times int8 ``q`` `[in..., out...]` with per-output-channel
     ``scale`` `[out...]` -> float32 `[..., out...]`.
 
     The last ``in_axes`` axes of ``x`` are contracted with the first ``in_axes`` of ``q``.
-    Each row of ``x`` is quantized to int8 (``quantize_rows``), multiplied exactly in int32,
-    then rescaled by its row scale and the channel scales.
+    Each row of ``x`` is quantized to int8 (``quantize_rows``), multiplied exactly in int32
+    (``int8_product``, by ``kernel``), then rescaled by its row scale and the channel scales.
     """
     in_shape, out_shape = q.shape[:in_axes], q.shape[in_axes:]
     if x.shape[x.ndim - in_axes :] != in_shape:
@@ -88,16 +97,49 @@ def int8_matmul(x: Array, q: Array, scale: Array, in_axes: int = 1) -> Array:
     batch = x.shape[: x.ndim - in_axes]
     k, n = int(np.prod(in_shape)), int(np.prod(out_shape))
     xq, row_scale = quantize_rows(x.reshape(-1, k).astype(jnp.float32))
+    acc = int8_product(xq, q.reshape(k, n), kernel)
+    y = acc.astype(jnp.float32) * row_scale * scale.reshape(1, n).astype(jnp.float32)
+    return y.reshape(*batch, *out_shape)
+
+
+def check_int8_kernel(value: Any, name: str = "int8_kernel") -> None:
+    """Raises ValueError unless ``value`` is one of ``INT8_KERNELS``."""
+    if value not in INT8_KERNELS:
+        raise ValueError(f"{name} must be one of {INT8_KERNELS}; got {value!r}")
+
+
+def int8_product(xq: Array, q: Array, kernel: str = "auto") -> Array:
+    """int8 `[rows, k]` x int8 `[k, n]` -> the exact int32 product `[rows, n]`.
+
+    ``kernel``: "onednn" multiplies with oneDNN's kernel on the CPU (``onednn_int8``; refused
+    with its reason where it does not load), "xla" with XLA's int8 dot, "auto" with oneDNN
+    where it loads and the matrix has ``ONEDNN_MIN_WEIGHTS`` entries or more. The choice is
+    made per platform at lowering: other platforms always take XLA's dot. Under a symbolic
+    row count (``jax.export``) XLA's dot too.
+    """
+    check_int8_kernel(kernel)
+    rows = xq.shape[0]
+    small = kernel == "auto" and q.shape[0] * q.shape[1] < ONEDNN_MIN_WEIGHTS
+    if kernel != "xla" and not small and isinstance(rows, int):
+        reason = onednn_int8.unavailable_reason()
+        if reason is None:
+            return jax.lax.platform_dependent(
+                xq, q, cpu=onednn_int8.int8_product, default=_xla_int8_product
+            )
+        if kernel == "onednn":
+            raise ValueError(f"int8_kernel='onednn' is not available here: {reason}")
+    return _xla_int8_product(xq, q)
+
+
+def _xla_int8_product(xq: Array, q: Array) -> Array:
     rows = xq.shape[0]
     # Zero rows: their int32 products are zeros, sliced off. (Not under a symbolic row count,
     # jax.export's shape polymorphism: no static shape to pad.)
     if isinstance(rows, int) and rows < MIN_INT8_ROWS:
         xq = jnp.pad(xq, ((0, MIN_INT8_ROWS - rows), (0, 0)))
-    acc = jax.lax.dot_general(
-        xq, q.reshape(k, n), (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
-    )[:rows]
-    y = acc.astype(jnp.float32) * row_scale * scale.reshape(1, n).astype(jnp.float32)
-    return y.reshape(*batch, *out_shape)
+    return jax.lax.dot_general(xq, q, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)[
+        :rows
+    ]
 
 
 def quantize_params(params: Any, config: Any) -> Any:

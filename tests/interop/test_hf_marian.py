@@ -372,6 +372,7 @@ IRRELEVANT = {
     "moe_aux_loss_weight": {"moe_aux_loss_weight": 0.5},
     "router_z_loss_weight": {"router_z_loss_weight": 0.5},
     "word_dropout_rate": {"word_dropout_rate": 0.1},  # training only
+    "int8_kernel": {"int8_kernel": "xla"},  # what multiplies int8 weights: the same products
     # 3 MoE layers every 3rd layer of 2-layer stacks: no layer has one, the model is dense.
     "num_experts+moe_every": {"num_experts": 3, "moe_every": 3},
     "attention_window_layers": {"attention_window_layers": "encoder"},

@@ -157,7 +157,7 @@ TRAINING_ALTERNATIVES = dict(
     dropout_rate=0.3, attention_dropout_rate=0.2, dtype="bfloat16", param_dtype="bfloat16",
     attention_implementation="blockwise", remat=True, scan_layers=True,
     expert_capacity_factor=None, moe_aux_loss_weight=0.5, router_z_loss_weight=0.5,
-    activation_dropout_rate=0.1, word_dropout_rate=0.1,
+    activation_dropout_rate=0.1, word_dropout_rate=0.1, int8_kernel="xla",
 )  # fmt: skip
 
 
