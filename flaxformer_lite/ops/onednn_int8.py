@@ -90,9 +90,14 @@ def _build(compiler: str, include: Path, lib: Path) -> Path:
     return target
 
 
+def built_for_this_platform() -> bool:
+    """Whether the kernel is meant to build here (x86-64 Linux, where the onednn wheels are)."""
+    return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+
+
 def _load() -> ctypes.CDLL:
     """Builds (at first use), loads and registers the kernel; OnednnUnavailable says why not."""
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+    if not built_for_this_platform():
         raise OnednnUnavailable(
             f"built for x86-64 Linux only, not {sys.platform} {platform.machine()}"
         )

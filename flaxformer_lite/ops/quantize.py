@@ -25,6 +25,8 @@ places it with the same logical axes).
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,9 +41,12 @@ Array = jax.Array
 QUANTIZATIONS = (None, "int8")
 # What multiplies int8 matrices on a CPU (``int8_product``): exact int32 products either way.
 INT8_KERNELS = ("auto", "xla", "onednn")
-# "auto" leaves matrices of fewer entries to XLA's dot, which multiplies them faster than a
-# call into oneDNN costs (docs/benchmarks.md, "int8 through oneDNN").
+# "auto" leaves matrices of fewer entries, or of fewer input rows (k), to XLA's dot: an opus-mt
+# size model (k 512 and 2,048) decodes 1.6-2.3x faster with oneDNN, the d_model 128 Multi30k
+# model 0.89-0.95x with oneDNN on its [128, 8000] logits matrix (docs/benchmarks.md, "int8
+# through oneDNN").
 ONEDNN_MIN_WEIGHTS = 512 * 512
+ONEDNN_MIN_DEPTH = 512
 SCALE_SUFFIX = "_scale"
 # Parent module name -> how many leading kernel axes are contracted (the input axes).
 _IN_AXES = {"query": 1, "key": 1, "value": 1, "qkv": 1, "out": 2, "logits": 1}
@@ -113,14 +118,20 @@ def int8_product(xq: Array, q: Array, kernel: str = "auto") -> Array:
 
     ``kernel``: "onednn" multiplies with oneDNN's kernel on the CPU (``onednn_int8``; refused
     with its reason where it does not load), "xla" with XLA's int8 dot, "auto" with oneDNN
-    where it loads and the matrix has ``ONEDNN_MIN_WEIGHTS`` entries or more. The choice is
-    made per platform at lowering: other platforms always take XLA's dot. Under a symbolic
-    row count (``jax.export``) XLA's dot too.
+    where it loads, the default backend is the CPU and the matrix has ``ONEDNN_MIN_WEIGHTS``
+    entries or more and ``ONEDNN_MIN_DEPTH`` rows or more. The choice is made per platform at
+    lowering: other platforms always take XLA's dot. Under a symbolic row count
+    (``jax.export``) XLA's dot too.
     """
     check_int8_kernel(kernel)
     rows = xq.shape[0]
-    small = kernel == "auto" and q.shape[0] * q.shape[1] < ONEDNN_MIN_WEIGHTS
-    if kernel != "xla" and not small and isinstance(rows, int):
+    # "auto" on a GPU / TPU host: XLA's dot without building the CPU kernel.
+    skip = kernel == "auto" and (
+        q.shape[0] * q.shape[1] < ONEDNN_MIN_WEIGHTS
+        or q.shape[0] < ONEDNN_MIN_DEPTH
+        or jax.default_backend() != "cpu"
+    )
+    if kernel != "xla" and not skip and isinstance(rows, int):
         reason = onednn_int8.unavailable_reason()
         if reason is None:
             return jax.lax.platform_dependent(
@@ -128,7 +139,14 @@ def int8_product(xq: Array, q: Array, kernel: str = "auto") -> Array:
             )
         if kernel == "onednn":
             raise ValueError(f"int8_kernel='onednn' is not available here: {reason}")
+        if onednn_int8.built_for_this_platform():
+            _warn_once(f"int8 products take XLA's slower int8 dot, not oneDNN's: {reason}")
     return _xla_int8_product(xq, q)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 def _xla_int8_product(xq: Array, q: Array) -> Array:

@@ -164,11 +164,20 @@ def test_an_unknown_kernel_is_refused_naming_the_field():
 
 def test_onednn_where_it_does_not_load_is_refused_with_the_reason(monkeypatch):
     """Asked for explicitly, a kernel that cannot load is an error naming why; "auto" takes
-    XLA's dot (the same integers)."""
+    XLA's dot (the same integers), with one warning naming why where the kernel was meant to
+    build (x86-64 Linux)."""
     monkeypatch.setattr(onednn_int8, "_loaded", lambda: (None, "no C++ compiler 'g++' on PATH"))
-    x = jnp.asarray(np.arange(6).reshape(2, 3) - 3, jnp.int8)
-    q = jnp.asarray(np.arange(12).reshape(3, 4) - 6, jnp.int8)
+    monkeypatch.setattr(onednn_int8, "built_for_this_platform", lambda: True)
+    quantize._warn_once.cache_clear()
+    rng = np.random.default_rng(5)
+    side = max(
+        int(quantize.ONEDNN_MIN_WEIGHTS**0.5), quantize.ONEDNN_MIN_DEPTH
+    )  # "auto" asks for oneDNN
+    x = jnp.asarray(rng.integers(-127, 128, (3, side), dtype=np.int8))
+    q = jnp.asarray(rng.integers(-127, 128, (side, side), dtype=np.int8))
     with pytest.raises(ValueError, match=r"int8_kernel='onednn' is not available here: no C\+\+"):
         quantize.int8_product(x, q, "onednn")
+    with pytest.warns(UserWarning, match=r"XLA's slower int8 dot, not oneDNN's: no C\+\+"):
+        got = quantize.int8_product(x, q, "auto")
     want = np.asarray(x, np.int64) @ np.asarray(q, np.int64)
-    np.testing.assert_array_equal(np.asarray(quantize.int8_product(x, q, "auto")), want)
+    np.testing.assert_array_equal(np.asarray(got), want)

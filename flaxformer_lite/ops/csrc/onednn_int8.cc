@@ -20,6 +20,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <omp.h>
+
 #include "dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,10 +33,16 @@ namespace {
 
 constexpr int32_t kZeroPoint = 128;
 constexpr int64_t kPackRows = 32;  // the row count the packed layout is chosen for
+constexpr double kSerialOps = 1 << 26;  // products of fewer m * k * n run on one thread
 
 dnnl::engine& Engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
+}
+
+int Threads() {  // OpenMP's default team size (OMP_NUM_THREADS, else the cores)
+  static const int threads = omp_get_max_threads();
+  return threads;
 }
 
 dnnl::stream& Stream() {  // one per thread: calls from several threads never share one
@@ -107,6 +115,7 @@ static ffi::Error PackImpl(ffi::Buffer<ffi::S8> q, ffi::ResultBuffer<ffi::U8> pa
   auto dims = q.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("q must be [k, n]");
   int64_t k = dims[0], n = dims[1];
+  omp_set_num_threads(Threads());
   try {
     const Cached& c = Matmul(kPackRows, k, n);
     if (static_cast<size_t>(packed->size_bytes()) != c.pd.weights_desc().get_size())
@@ -135,6 +144,11 @@ static ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> x, ffi::Buffer<ffi::U8> packed
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x must be [m, k]");
   int64_t m = dims[0], k = dims[1];
   if (m == 0) return ffi::Error::Success();
+  // A small product runs on the calling thread alone: waking OpenMP's team costs more than
+  // it saves (docs/benchmarks.md, "int8 through oneDNN"), and XLA may run an independent op
+  // on its other threads meanwhile. The setting is this thread's own, made
+  // before the primitive is created, which plans its blocking for the threads it will have.
+  omp_set_num_threads(static_cast<double>(m) * k * n < kSerialOps ? 1 : Threads());
   try {
     const Cached& c = Matmul(m, k, n);
     // The packed layout was chosen for kPackRows rows; a layout chosen otherwise for m rows
