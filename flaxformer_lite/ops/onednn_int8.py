@@ -16,9 +16,10 @@ Two XLA FFI custom calls (``csrc/onednn_int8.cc``), both pure functions of their
 ``int8_product(xq, q)`` combines them. The kernel is compiled at first use (``g++``, oneDNN's
 headers and library from the ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp`` wheels, XLA's
 FFI headers from jaxlib) into ``$XDG_CACHE_HOME/flaxformer_lite`` (``~/.cache`` by default;
-``FLAXFORMER_LITE_CACHE`` overrides), once per source, compiler and jaxlib. ``available()``
-says whether it loads here; ``unavailable_reason()`` says why not. The custom calls exist on
-the CPU only: ``quantize.int8_matmul`` picks them per platform when lowering.
+``FLAXFORMER_LITE_CACHE`` overrides), once per source, compiler and jaxlib. It is refused on a
+CPU without VNNI or AMX, where oneDNN's int8 sums saturate at 16 bits (not exact).
+``available()`` says whether it loads here; ``unavailable_reason()`` says why not. The custom
+calls exist on the CPU only: ``quantize.int8_matmul`` picks them per platform when lowering.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ ZERO_POINT = 128  # int8 activations + 128 = the uint8 ones oneDNN's kernels tak
 
 class OnednnUnavailable(RuntimeError):
     """The oneDNN kernel cannot be built or loaded on this machine; the message says why."""
+
+
+class OnednnUnsupported(OnednnUnavailable):
+    """This machine is not one the kernel is for (not x86-64 Linux, or a CPU without VNNI or
+    AMX): nothing to install or fix."""
 
 
 def _prefix() -> Path:
@@ -90,15 +96,10 @@ def _build(compiler: str, include: Path, lib: Path) -> Path:
     return target
 
 
-def built_for_this_platform() -> bool:
-    """Whether the kernel is meant to build here (x86-64 Linux, where the onednn wheels are)."""
-    return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
-
-
 def _load() -> ctypes.CDLL:
     """Builds (at first use), loads and registers the kernel; OnednnUnavailable says why not."""
-    if not built_for_this_platform():
-        raise OnednnUnavailable(
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise OnednnUnsupported(
             f"built for x86-64 Linux only, not {sys.platform} {platform.machine()}"
         )
     prefix = _prefix()
@@ -112,6 +113,11 @@ def _load() -> ctypes.CDLL:
     if shutil.which(compiler) is None:
         raise OnednnUnavailable(f"no C++ compiler {compiler!r} on PATH (set CXX)")
     library = ctypes.CDLL(str(_build(compiler, include, lib)))
+    library.onednn_int8_exact_isa.restype = ctypes.c_int
+    if not library.onednn_int8_exact_isa():
+        raise OnednnUnsupported(
+            "this CPU has no VNNI or AMX: oneDNN's int8 kernel would saturate its 16-bit sums"
+        )
     library.onednn_int8_packed_bytes.restype = ctypes.c_int64
     library.onednn_int8_packed_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
     jax.ffi.register_ffi_target(
@@ -124,16 +130,19 @@ def _load() -> ctypes.CDLL:
 
 
 @functools.cache
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """``_load()`` once per process: (the library, None) or (None, why not)."""
+def _loaded() -> tuple[ctypes.CDLL | None, str | None, bool]:
+    """``_load()`` once per process: (the library, None, False) or (None, why not, whether it
+    is something to fix here: an install or build problem, not the platform)."""
     try:
-        return _load(), None
+        return _load(), None, False
+    except OnednnUnsupported as e:
+        return None, str(e), False
     except (OnednnUnavailable, OSError) as e:
-        return None, str(e)
+        return None, str(e), True
 
 
 def _library() -> ctypes.CDLL:
-    library, reason = _loaded()
+    library, reason, _ = _loaded()
     if library is None:
         raise OnednnUnavailable(reason)
     return library
@@ -142,6 +151,12 @@ def _library() -> ctypes.CDLL:
 def unavailable_reason() -> str | None:
     """None when the kernel loads here, else why it does not (one message)."""
     return _loaded()[1]
+
+
+def fixable() -> bool:
+    """Whether the kernel is missing for a reason an install could fix (the onednn wheels, a
+    compiler, a failed build) rather than the platform or the CPU."""
+    return _loaded()[2]
 
 
 def available() -> bool:

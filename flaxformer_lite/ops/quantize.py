@@ -139,7 +139,7 @@ def int8_product(xq: Array, q: Array, kernel: str = "auto") -> Array:
             )
         if kernel == "onednn":
             raise ValueError(f"int8_kernel='onednn' is not available here: {reason}")
-        if onednn_int8.built_for_this_platform():
+        if onednn_int8.fixable():
             _warn_once(f"int8 products take XLA's slower int8 dot, not oneDNN's: {reason}")
     return _xla_int8_product(xq, q)
 

@@ -6,7 +6,10 @@ loop, export free of custom calls, and the refusals."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -164,10 +167,10 @@ def test_an_unknown_kernel_is_refused_naming_the_field():
 
 def test_onednn_where_it_does_not_load_is_refused_with_the_reason(monkeypatch):
     """Asked for explicitly, a kernel that cannot load is an error naming why; "auto" takes
-    XLA's dot (the same integers), with one warning naming why where the kernel was meant to
-    build (x86-64 Linux)."""
-    monkeypatch.setattr(onednn_int8, "_loaded", lambda: (None, "no C++ compiler 'g++' on PATH"))
-    monkeypatch.setattr(onednn_int8, "built_for_this_platform", lambda: True)
+    XLA's dot (the same integers), with one warning naming why when an install could fix it."""
+    monkeypatch.setattr(
+        onednn_int8, "_loaded", lambda: (None, "no C++ compiler 'g++' on PATH", True)
+    )
     quantize._warn_once.cache_clear()
     rng = np.random.default_rng(5)
     side = max(
@@ -181,3 +184,39 @@ def test_onednn_where_it_does_not_load_is_refused_with_the_reason(monkeypatch):
         got = quantize.int8_product(x, q, "auto")
     want = np.asarray(x, np.int64) @ np.asarray(q, np.int64)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.skipif(
+    REASON is not None and "VNNI" not in REASON, reason=f"oneDNN is not loaded here: {REASON}"
+)
+def test_a_cpu_without_vnni_takes_xlas_dot_silently():
+    """Without VNNI or AMX oneDNN sums pairs of u8 x s8 products in 16 bits, which saturate: a
+    [32, 512] x [512, 512] product of random int8 values was off by up to 115,974 with oneDNN
+    capped at AVX2 or AVX-512 without VNNI. The kernel is then refused as unsupported (no
+    warning: nothing to fix), "auto" takes XLA's exact dot, "onednn" is an error. The cap
+    (``ONEDNN_MAX_CPU_ISA``) is read once per process, so the check runs in a subprocess."""
+    script = """
+import warnings
+import numpy as np
+from flaxformer_lite.ops import onednn_int8, quantize
+warnings.simplefilter("error")
+reason = onednn_int8.unavailable_reason()
+assert reason and "no VNNI or AMX" in reason and not onednn_int8.fixable(), reason
+rng = np.random.default_rng(0)
+x = rng.integers(-127, 128, (32, 512), dtype=np.int8)
+q = rng.integers(-127, 128, (512, 512), dtype=np.int8)
+got = np.asarray(quantize.int8_product(x, q, "auto"))
+assert np.array_equal(got, x.astype(np.int64) @ q.astype(np.int64))
+try:
+    quantize.int8_product(x, q, "onednn")
+except ValueError as e:
+    assert "no VNNI or AMX" in str(e), e
+else:
+    raise AssertionError("onednn was not refused")
+print("ok")
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -103,6 +103,25 @@ ffi::Error Fail(const char* what, const dnnl::error& e) {
 
 }  // namespace
 
+// Whether oneDNN's int8 kernels here sum u8 x s8 products exactly: with VNNI (vpdpbusd, AVX2 or
+// AVX-512) or AMX. Without it (vpmaddubsw) pairs of products saturate at 16 bits, and the
+// int32 results are wrong (measured with ONEDNN_MAX_CPU_ISA=AVX2), so the kernel is refused.
+extern "C" int onednn_int8_exact_isa() {
+  using isa = dnnl::cpu_isa;
+  switch (dnnl::get_effective_cpu_isa()) {
+    case isa::avx2_vnni:
+    case isa::avx2_vnni_2:
+    case isa::avx512_core_vnni:
+    case isa::avx512_core_bf16:
+    case isa::avx512_core_fp16:
+    case isa::avx512_core_amx:
+    case isa::avx512_core_amx_fp16:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
 extern "C" int64_t onednn_int8_packed_bytes(int64_t k, int64_t n) {
   try {
     return static_cast<int64_t>(Matmul(kPackRows, k, n).pd.weights_desc().get_size());
