@@ -139,9 +139,11 @@ class TransformerConfig:
         activations (``quantize``: the parameters must come from ``quantize.quantize_params``;
         encoder-decoder and decoder-only models; mixture-of-experts blocks stay float).
       int8_kernel: what multiplies the int8 matrices on a CPU: "onednn" (oneDNN's VNNI / AMX
-        kernels, ``ops.onednn_int8``), "xla" (XLA's int8 dot), or "auto" (oneDNN where its
-        kernel builds and loads, XLA otherwise). The int32 products are exact either way, so
-        the choice changes speed, never a result; other platforms always use XLA's dot.
+        kernels, ``ops.onednn_int8``: x86-64 Linux, a CPU with VNNI or AMX), "xla" (XLA's
+        int8 dot), or "auto" (oneDNN where it loads, for matrices of 512 input rows and
+        512 x 512 entries or more, ``quantize.int8_product``; XLA otherwise). The int32
+        products are exact either way, so the choice changes speed, never a result; other
+        platforms always use XLA's dot.
 
     BART / mBART (``interop/bart.py``; defaults leave every other model as it was):
       learned_position_offset: rows the learned position table keeps before position 0
