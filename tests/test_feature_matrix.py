@@ -131,6 +131,10 @@ def config_fields(cell: dict) -> dict:
     fields["scan_layers"] = cell["scan"]
     fields["fused_qkv"] = cell["fused"]
     fields["quantization"] = cell["quant"]
+    if cell["quant"] == "int8" and ONEDNN:
+        # The tiny cells' matrices are below "auto"'s size rule: every path crosses oneDNN's
+        # kernel explicitly where it loads (exact int32 products, so the same bounds).
+        fields["int8_kernel"] = "onednn"
     fields["dtype"] = cell["dtype"]
     return fields
 
@@ -325,7 +329,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from flaxformer_lite import EncoderDecoder, TransformerConfig  # noqa: E402
+from flaxformer_lite.ops import onednn_int8  # noqa: E402
 from flaxformer_lite.ops.quantize import quantize_params  # noqa: E402
+
+# int8 cells multiply with oneDNN's kernel where it loads (``config_fields``).
+ONEDNN = onednn_int8.available() and jax.default_backend() == "cpu"
 
 SRC_LENGTHS, TGT_LENGTHS = (9, 6, 3), (7, 4, 2)
 SRC_LEN, TGT_LEN, EXTRA_PADS = 10, 8, 3
