@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flaxformer_lite.core.special_ids import BOS_ID, EOS_ID, PAD_ID  # re-exported: the defaults
+from flaxformer_lite.ops.argmax import row_argmax
 
 PyTree = Any
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
@@ -406,7 +407,7 @@ def greedy_search(
     return _decode_loop(
         tokens_to_logits,
         cache,
-        lambda logits, step: jnp.argmax(logits, axis=-1),
+        lambda logits, step: row_argmax(logits),  # jnp.argmax, bitwise, vectorised
         batch_size=batch_size,
         max_len=max_len,
         eos_id=eos_id,
@@ -520,7 +521,7 @@ def sample(
 
     def choose(logits, step):
         if temperature == 0.0:
-            return jnp.argmax(logits, axis=-1)
+            return row_argmax(logits)
         # Clamp: masked logits (finfo.min) divided by a small temperature would overflow to
         # -inf, and an all -inf row has no distribution.
         scaled = jnp.maximum(logits / temperature, jnp.finfo(logits.dtype).min)

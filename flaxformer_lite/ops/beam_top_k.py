@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flaxformer_lite.ops.argmax import divisor_near
+
 Array = jax.Array
 
 # Elements per block of row_top_k, about: 9 blocks of 107 per row at beam 4 and vocabulary
@@ -171,7 +173,7 @@ def row_top_k(x: Array, k: int, block: int = BLOCK) -> tuple[Array, Array]:
       ``(values, indices)``: like ``x`` `[..., k]` and int32 `[..., k]`, best first.
     """
     n = x.shape[-1]
-    block = _divisor_near(n, block)
+    block = divisor_near(n, block)
     whole = n // block
     if whole <= k:  # no fewer elements to search than the plain top-k
         return lax.top_k(x, k)
@@ -194,13 +196,6 @@ def row_top_k(x: Array, k: int, block: int = BLOCK) -> tuple[Array, Array]:
     gathered = jnp.where(inside, gathered, -jnp.inf)
     values, position = lax.top_k(gathered, k)
     return values, jnp.take_along_axis(index, position, axis=-1)
-
-
-def _divisor_near(n: int, block: int) -> int:
-    """A divisor of ``n`` within a factor 2 of ``block``, the closest (58,101 = 3 x 107 x 181:
-    107), so that the row splits into blocks without a copy; ``block`` itself if none."""
-    divisors = [d for d in range(max(1, block // 2), 2 * block + 1) if n % d == 0]
-    return min(divisors, key=lambda d: (abs(d - block), d)) if divisors else block
 
 
 def _banned_at(banned: Array | None, tokens: Array) -> Array | None:
