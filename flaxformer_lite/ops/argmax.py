@@ -12,13 +12,15 @@ Why it is exact: ``jnp.argmax`` returns the first index holding the maximum, a N
 as the maximum. A block's maximum is taken as NaN when the block holds one (XLA's CPU max
 reduction itself skips NaN), so the first block whose maximum ``jnp.argmax`` ranks first is
 the block of the row's first maximum (or first NaN), and ``jnp.argmax`` within it finds that
-element.
+element. NaN is detected by the block's sum, which is also NaN for a block holding +inf and
+-inf: when such a block wins, the row's plain ``jnp.argmax`` is taken instead (``lax.cond``).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 Array = jax.Array
 
@@ -33,10 +35,14 @@ def divisor_near(n: int, block: int) -> int:
     return min(divisors, key=lambda d: (abs(d - block), d)) if divisors else block
 
 
-def _block_max(blocks: Array) -> Array:
-    """`[..., blocks, block]` -> `[..., blocks]`: each block's maximum, NaN where it holds one
-    (XLA's CPU max reduction skips NaN; ``jnp.argmax`` ranks it first)."""
-    return jnp.where(jnp.isnan(blocks).any(axis=-1), jnp.nan, jnp.max(blocks, axis=-1))
+def _block_max(blocks: Array) -> tuple[Array, Array]:
+    """`[..., blocks, block]` -> (maxima, flagged), both `[..., blocks]`: each block's maximum,
+    NaN where the block's sum is NaN (``flagged``): where it holds a NaN, and also where it
+    holds both +inf and -inf. XLA's CPU max reduction skips NaN, ``jnp.argmax`` ranks it
+    first; a sum is one more vectorised pass, where ``isnan(...).any()`` had XLA write a
+    boolean of the row's size first."""
+    flagged = jnp.isnan(jnp.sum(blocks, axis=-1))
+    return jnp.where(flagged, jnp.nan, jnp.max(blocks, axis=-1)), flagged
 
 
 def row_argmax(x: Array, block: int = BLOCK) -> Array:
@@ -58,10 +64,12 @@ def row_argmax(x: Array, block: int = BLOCK) -> Array:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     lead = x.shape[:-1]
     if whole * block == n:
-        maxima = _block_max(x.reshape(*lead, whole, block))
+        maxima, flagged = _block_max(x.reshape(*lead, whole, block))
     else:  # a short last block
-        head = _block_max(x[..., : whole * block].reshape(*lead, whole, block))
-        maxima = jnp.concatenate([head, _block_max(x[..., None, whole * block :])], -1)
+        head, head_flagged = _block_max(x[..., : whole * block].reshape(*lead, whole, block))
+        tail, tail_flagged = _block_max(x[..., None, whole * block :])
+        maxima = jnp.concatenate([head, tail], -1)
+        flagged = jnp.concatenate([head_flagged, tail_flagged], -1)
     winner = jnp.argmax(maxima, axis=-1).astype(jnp.int32)  # [...]: the first block at the max
     index = winner[..., None] * block + jnp.arange(block, dtype=jnp.int32)  # [..., block]
     inside = index < n  # the short last block's missing tail
@@ -69,4 +77,15 @@ def row_argmax(x: Array, block: int = BLOCK) -> Array:
     # -inf past the row's end: after every real element, so never chosen over one (ties go to
     # the lower index, and the block's real elements come first).
     gathered = jnp.where(inside, gathered, -jnp.inf)
-    return winner * block + jnp.argmax(gathered, axis=-1).astype(jnp.int32)
+    found = winner * block + jnp.argmax(gathered, axis=-1).astype(jnp.int32)
+    # A flagged block ranks first, so the winner is the row's first flagged block if any: exact
+    # when that block holds a NaN (the row's first NaN is in it), wrong only when it was
+    # flagged for holding +inf and -inf alone. Then (rare: +inf logits) the plain argmax.
+    false_flag = jnp.take_along_axis(flagged, winner[..., None], axis=-1)[..., 0] & ~jnp.any(
+        jnp.isnan(gathered), axis=-1
+    )
+    return lax.cond(
+        jnp.any(false_flag),
+        lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda: found,
+    )

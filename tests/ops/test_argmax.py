@@ -28,6 +28,10 @@ def adversarial_rows(n: int, block: int, rows: int, seed: int) -> np.ndarray:
         lambda r: r.__setitem__([n // 2, n - 1], np.nan),  # two NaN: the first
         lambda r: r.__setitem__([min(2 * block, n - 1)], np.inf),
         lambda r: r.__setitem__(slice(None), -np.inf) or r.__setitem__([n - 1], -1.0),
+        # +inf and -inf in one block sum to NaN like a NaN: the +inf is the answer,
+        lambda r: r.__setitem__([0, min(1, n - 1)], [-np.inf, np.inf]),
+        # or a later NaN is.
+        lambda r: r.__setitem__([0, 1, n - 1], [np.inf, -np.inf, np.nan]),
     ]
     for i, special in enumerate(specials):
         if i < rows:
@@ -49,9 +53,13 @@ def adversarial_rows(n: int, block: int, rows: int, seed: int) -> np.ndarray:
 )
 def test_row_argmax_equals_numpys_first_index_argmax(n, block):
     x = adversarial_rows(n, divisor_near(n, block), rows=24, seed=n)
-    got = np.asarray(jax.jit(row_argmax, static_argnums=1)(jnp.asarray(x), block))
-    assert got.dtype == np.int32
-    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    argmax = jax.jit(row_argmax, static_argnums=1)
+    # Without the +-inf rows (the block maxima decide) and with them (rows 10-11, for which
+    # the batch takes the plain argmax), and those rows moved among plain rows.
+    for rows in (np.r_[0:10, 12:24], np.arange(24), np.r_[12:18, 10, 18:24, 11]):
+        got = np.asarray(argmax(jnp.asarray(x[rows]), block))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.argmax(x[rows], axis=-1))
 
 
 def test_row_argmax_over_leading_axes_dtypes_and_vmap():
