@@ -22,11 +22,14 @@ have other shapes, starts from its own initialisation).
     .venv/bin/python bench/train_variants.py --quick      # 2 rounds of 2 steps: a smoke test
     .venv/bin/python bench/train_variants.py --set current   # CURRENT_VARIANTS, the config now
     .venv/bin/python bench/train_variants.py --set argmax    # the accuracy metric's argmax
+    .venv/bin/python bench/train_variants.py --set loss      # the loss's saved log-probs
 
 ``--set argmax``: the config as committed with the train step's accuracy metric
 (``losses.correct_predictions``) computed as before ``ops.argmax`` (a max, then the min of the
 indices holding it) or with ``jnp.argmax``, against its ``row_argmax`` (block maxima): the same
-counts, so the same training, at another cost per step.
+counts, so the same training, at another cost per step. ``--set loss``: the label-smoothed
+loss as it was before it kept the log-sum-exp instead of the log-probabilities (its forward pass
+wrote the `[batch, length, vocab]` log-probs for the backward pass), against the config's.
 
 Writes bench/results/train_variants.json (train_variants_quick.json with --quick).
 """
@@ -34,6 +37,7 @@ Writes bench/results/train_variants.json (train_variants_quick.json with --quick
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -85,7 +89,44 @@ def _plain_argmax(logits, labels, weights):
 
 
 ARGMAX_VARIANTS = {"config": {}, "max_then_min": {}, "jnp_argmax": {}}
-SWAPS = {"max_then_min": _max_then_min, "jnp_argmax": _plain_argmax}
+LOSS_VARIANTS = {"config": {}, "saved_log_probs": {}}
+SWAPS = {  # variant: (attribute of losses, the function traced in its place)
+    "max_then_min": ("correct_predictions", _max_then_min),
+    "jnp_argmax": ("correct_predictions", _plain_argmax),
+}
+
+
+def _log_probs_fwd(logits, labels, weights, label_smoothing):
+    confidence, low, entropy = losses._smoothing(logits.shape[-1], label_smoothing)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    label_log_prob = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+    loss = -(confidence - low) * label_log_prob - low * log_probs.sum(axis=-1) - entropy
+    out = ((loss * weights).sum(), weights.astype(jnp.float32).sum())
+    return out, (log_probs, labels, weights, loss, jnp.zeros((), logits.dtype))
+
+
+def _log_probs_bwd(label_smoothing, residuals, cotangents):
+    log_probs, labels, weights, loss, like = residuals
+    confidence, low, _ = losses._smoothing(log_probs.shape[-1], label_smoothing)
+    ids = jax.lax.broadcasted_iota(labels.dtype, log_probs.shape, log_probs.ndim - 1)
+    target = jnp.where(ids == labels[..., None], confidence, low)
+    scale = (cotangents[0] * weights).astype(jnp.float32)[..., None]
+    d_logits = ((jnp.exp(log_probs) - target) * scale).astype(like.dtype)
+    return d_logits, None, (cotangents[0] * loss).astype(weights.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _log_probs_ce(logits, labels, weights, label_smoothing):
+    return _log_probs_fwd(logits, labels, weights, label_smoothing)[0]
+
+
+_log_probs_ce.defvjp(_log_probs_fwd, _log_probs_bwd)
+SWAPS["saved_log_probs"] = (
+    "smoothed_cross_entropy",
+    lambda logits, labels, weights, label_smoothing=0.1: _log_probs_ce(
+        logits, labels, weights, float(label_smoothing)
+    ),
+)
 
 
 def main() -> None:
@@ -95,14 +136,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds of 2 steps (a smoke test)")
     parser.add_argument(
         "--set",
-        choices=("first", "current", "argmax"),
+        choices=("first", "current", "argmax", "loss"),
         default="first",
         help="first: VARIANTS against the 2026-11-29 config; current: CURRENT_VARIANTS against "
-        "the config as committed; argmax: ARGMAX_VARIANTS (the accuracy metric) against "
-        "the config as committed",
+        "the config as committed; argmax: ARGMAX_VARIANTS (the accuracy metric), loss: "
+        "LOSS_VARIANTS (the loss's saved log-probs), each against the config as committed",
     )
     parser.add_argument(
-        "--out", default=None, help="default: bench/results/train_variants[_current|_argmax].json"
+        "--out", default=None, help="default: bench/results/train_variants[_SET].json"
     )
     args = parser.parse_args()
     if args.quick:
@@ -111,6 +152,7 @@ def main() -> None:
         "first": ({}, VARIANTS),
         "current": (CURRENT, CURRENT_VARIANTS),
         "argmax": (CURRENT, ARGMAX_VARIANTS),
+        "loss": (CURRENT, LOSS_VARIANTS),
     }[args.set]
     stem = "train_variants" + ("" if args.set == "first" else f"_{args.set}")
     args.out = args.out or str(HERE / "results" / f"{stem}{'_quick' if args.quick else ''}.json")
@@ -126,12 +168,13 @@ def main() -> None:
     runs = {}
     for name, fields in variants.items():
         model = multi30k_model(**base, **fields)
-        kept = losses.correct_predictions
-        losses.correct_predictions = SWAPS.get(name, kept)
+        attribute, swapped = SWAPS.get(name, ("correct_predictions", None))
+        kept = getattr(losses, attribute)
+        setattr(losses, attribute, swapped or kept)
         try:
             runs[name] = compile_step(model, own_params(model), batch)
         finally:
-            losses.correct_predictions = kept
+            setattr(losses, attribute, kept)
     first_loss = {name: run(1) for name, run in runs.items()}
     for run in runs.values():
         run(1)  # warm-up
