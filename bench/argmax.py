@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +28,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from translate_speed import cpu_flags  # noqa: E402
 
 from flaxformer_lite.ops.argmax import row_argmax  # noqa: E402
 
@@ -47,14 +49,6 @@ VARIANTS = {
     "max_then_min": max_then_min,
     "row_argmax": row_argmax,
 }
-
-
-def cpu_flags() -> str:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
-    except (OSError, IndexError):
-        return platform.processor()
-    return " ".join(sorted(f for f in set(flags) if f.startswith(("avx", "amx"))))
 
 
 def logits(shape, seed: int) -> np.ndarray:

@@ -125,7 +125,7 @@ def correct_predictions(logits: Array, labels: Array, weights: Array) -> Array:
     ``jnp.argmax``, computed by :func:`flaxformer_lite.ops.argmax.row_argmax` from block
     maxima: XLA's CPU backend runs ``jnp.argmax``'s (value, index) pair reduction
     unvectorised, and a max then a min over the indices holding it is slower still with
-    jaxlib 0.10 (`[2048, 8000]`: 36 and 62 against 8 ms, ``bench/argmax.py``)."""
+    jaxlib 0.10 (`[2048, 8000]`: 36 and 64 against 8 ms, ``bench/argmax.py``)."""
     hits = (row_argmax(logits) == labels).astype(jnp.float32)
     return (hits * weights).sum()
 
