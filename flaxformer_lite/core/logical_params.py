@@ -30,6 +30,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
+from flax import errors
 from jax.sharding import PartitionSpec
 
 from flaxformer_lite.core import sharding
@@ -98,3 +100,39 @@ def logical_init(init: Callable, names: LogicalNames) -> Callable:
         return LogicalParam(init(*args, **kwargs), tuple(names))
 
     return boxed
+
+
+def read_param(
+    module: nn.Module, name: str, init_fn: Callable, shape: Any, *init_args: Any, unbox=True
+) -> Any:
+    """``module.param(name, init_fn, shape, *init_args)``, without flax's cost at every read.
+
+    Linen's ``Module.param`` checks an existing parameter at every read, in ``apply`` as in
+    ``init``, by tracing ``init_fn`` under ``jax.eval_shape`` and comparing shapes: about a
+    millisecond of Python per parameter each time a model is traced (a jitted train step, a
+    decoding loop), most of the time of tracing a small model's ``apply``
+    (``bench/trace_time.py``). Every initializer here returns an array of the ``shape`` it is
+    given, so an existing parameter's shape is compared with ``shape`` directly, raising
+    flax's own ``ScopeParamShapeError``; a parameter that does not exist yet (``init``) is
+    made by ``Module.param`` itself. ``shape``: the parameter's shape, the first argument
+    after the key that ``init_fn`` takes."""
+    if not module.has_variable("params", name):
+        return nn.Module.param(module, name, init_fn, shape, *init_args, unbox=unbox)
+    value = module.get_variable("params", name)
+    array = nn.meta.unbox(value)
+    if np.shape(array) != tuple(shape):
+        raise errors.ScopeParamShapeError(
+            name, module.scope.path_text, np.shape(array), tuple(shape)
+        )
+    return array if unbox else value
+
+
+class ReadParams:
+    """A mixin for flax's own layers (``nn.Dense``, ``nn.LayerNorm``, ...): their
+    ``self.param(name, init_fn, shape, dtype)`` reads an existing parameter through
+    :func:`read_param`. Put it first: ``class Dense(ReadParams, nn.Dense)``."""
+
+    def param(self, name: str, init_fn: Callable, *init_args: Any, unbox=True, **init_kwargs):
+        if init_kwargs or not init_args or not isinstance(init_args[0], tuple | list):
+            return nn.Module.param(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+        return read_param(self, name, init_fn, *init_args, unbox=unbox)

@@ -6,11 +6,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.core.logical_params import logical_init, read_param
 from flaxformer_lite.models.embedder import make_embedding
 from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.tokens import check_tokens
 from flaxformer_lite.nn.config import TransformerConfig
+from flaxformer_lite.nn.flax_layers import Dense
 
 Array = jax.Array
 
@@ -42,7 +43,8 @@ class EncoderClassifier(nn.Module):
         if cfg.pooling == "first":
             pooled = encoded[:, 0]
         elif cfg.pooling == "attention":
-            query = self.param(
+            query = read_param(
+                self,
                 "pooling_query",
                 logical_init(nn.initializers.normal(1.0), ("embed",)),
                 (cfg.d_model,),
@@ -59,7 +61,7 @@ class EncoderClassifier(nn.Module):
             mask = real[..., None].astype(encoded.dtype)
             pooled = (encoded * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1)
         pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
-        logits = nn.Dense(
+        logits = Dense(
             cfg.num_classes,
             kernel_init=logical_init(nn.initializers.xavier_uniform(), ("embed", None)),
             bias_init=logical_init(nn.initializers.zeros_init(), (None,)),

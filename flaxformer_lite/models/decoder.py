@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.core.logical_params import logical_init, read_param
 from flaxformer_lite.models.embedder import Embedder
 from flaxformer_lite.models.stack import constrain_residual, layer_stack, relative_bias
 from flaxformer_lite.models.tokens import default_positions
 from flaxformer_lite.nn.config import TransformerConfig
 from flaxformer_lite.nn.dense import Int8Dense
 from flaxformer_lite.nn.embed import Embed
+from flaxformer_lite.nn.flax_layers import DenseGeneral
 from flaxformer_lite.nn.layers import DecoderLayer, make_norm
 from flaxformer_lite.ops import beam_cache
 from flaxformer_lite.ops.kv_cache import ring_key_positions
@@ -260,7 +261,7 @@ class Decoder(nn.Module):
                 name="logits",
             )(x)
         else:
-            logits = nn.DenseGeneral(
+            logits = DenseGeneral(
                 cfg.output_vocab_size,
                 use_bias=False,
                 kernel_init=logical_init(nn.initializers.xavier_uniform(), ("embed", "vocab")),
@@ -271,7 +272,8 @@ class Decoder(nn.Module):
             )(x)
         logits = logits.astype(jnp.float32)
         if cfg.logits_bias:
-            bias = self.param(
+            bias = read_param(
+                self,
                 "logits_bias",
                 logical_init(nn.initializers.zeros_init(), ("vocab",)),
                 (cfg.output_vocab_size,),

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.core.logical_params import logical_init, read_param
 from flaxformer_lite.ops.precision import einsum_in
 from flaxformer_lite.ops.quantize import SCALE_SUFFIX, int8_matmul
 
@@ -42,11 +42,11 @@ def make_kernel(
     ``quantization="int8"`` an int8 kernel and its per-output-channel scale `[out...]`
     (parameter ``<name>_scale``), as ``quantize.quantize_params`` writes them."""
     if quantization is None:
-        return module.param(name, logical_init(init, names), shape, param_dtype), None
-    kernel = module.param(name, logical_init(_zeros, names), shape, jnp.int8)
+        return read_param(module, name, logical_init(init, names), shape, param_dtype), None
+    kernel = read_param(module, name, logical_init(_zeros, names), shape, jnp.int8)
     scale_names, scale_shape = names[in_axes:], shape[in_axes:]
-    scale = module.param(
-        name + SCALE_SUFFIX, logical_init(_ones, scale_names), scale_shape, jnp.float32
+    scale = read_param(
+        module, name + SCALE_SUFFIX, logical_init(_ones, scale_names), scale_shape, jnp.float32
     )
     return kernel, scale
 
@@ -87,6 +87,6 @@ class Int8Dense(nn.Module):
         kernel, scale = make_kernel(self, "kernel", _zeros, self.names, shape, jnp.int8, "int8")
         y = int8_matmul(x, kernel, scale, kernel=self.int8_kernel).astype(self.dtype)
         if self.use_bias:
-            bias = self.param("bias", logical_init(_zeros, self.names[1:]), (self.features,))
+            bias = read_param(self, "bias", logical_init(_zeros, self.names[1:]), (self.features,))
             y = y + bias.astype(self.dtype)
         return y

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.core.logical_params import logical_init, read_param
 from flaxformer_lite.nn.dense import make_kernel
 from flaxformer_lite.ops.precision import accumulation_dtype, einsum_in
 from flaxformer_lite.ops.quantize import int8_matmul
@@ -52,7 +52,8 @@ class Embed(nn.Module):
     int8_kernel: str = "auto"
 
     def setup(self) -> None:
-        self.embedding = self.param(
+        self.embedding = read_param(
+            self,
             "embedding",
             logical_init(nn.initializers.normal(self.features**-0.5), ("vocab", "embed")),
             (self.num_embeddings, self.features),

@@ -19,6 +19,7 @@ from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.config import TransformerConfig
 from flaxformer_lite.nn.dense import Int8Dense
 from flaxformer_lite.nn.embed import Embed, tied_logits
+from flaxformer_lite.nn.flax_layers import LayerNorm, RMSNorm
 from flaxformer_lite.nn.mlp import MlpBlock
 from flaxformer_lite.nn.projections import (
     KV_AXES,
@@ -65,8 +66,8 @@ def make_norm(config: TransformerConfig, name: str) -> nn.Module:
         name=name,
     )
     if config.norm_type == "rmsnorm":
-        return nn.RMSNorm(**kw)
-    return nn.LayerNorm(bias_init=logical_init(_zeros, ("embed",)), **kw)
+        return RMSNorm(**kw)
+    return LayerNorm(bias_init=logical_init(_zeros, ("embed",)), **kw)
 
 
 def residual(

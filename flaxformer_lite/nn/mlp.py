@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from flaxformer_lite.core.logical_params import logical_init
 from flaxformer_lite.nn.dense import Int8Dense
+from flaxformer_lite.nn.flax_layers import Dense
 from flaxformer_lite.ops.activations import ACTIVATIONS, GATED
 from flaxformer_lite.ops.precision import dot_general_in
 
@@ -47,7 +48,7 @@ class MlpBlock(nn.Module):
                 return Int8Dense(
                     features, names, self.use_bias, self.dtype, self.int8_kernel, name=name
                 )
-            return nn.Dense(
+            return Dense(
                 features,
                 use_bias=self.use_bias,
                 kernel_init=logical_init(_xavier, names),

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from flax.core import unfreeze
 
-from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.core.logical_params import logical_init, read_param
 from flaxformer_lite.ops.activations import ACTIVATIONS, GATED
 
 Array = jax.Array
@@ -243,7 +243,8 @@ class MoeBlock(nn.Module):
     @nn.compact
     def __call__(self, x: Array, valid: Array | None = None, *, deterministic: bool = True):
         e, d = self.num_experts, x.shape[-1]
-        router = self.param(
+        router = read_param(
+            self,
             "router",
             logical_init(nn.initializers.normal(0.02), ("embed", None)),
             (d, e),
@@ -274,9 +275,9 @@ class MoeBlock(nn.Module):
             self.sow("losses", "moe_kept", kept)
 
         def weights(name: str, shape: tuple[int, ...], names: tuple[str | None, ...], init):
-            return self.param(name, logical_init(init, names), shape, self.param_dtype).astype(
-                self.dtype
-            )
+            return read_param(
+                self, name, logical_init(init, names), shape, self.param_dtype
+            ).astype(self.dtype)
 
         kernel_init = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", batch_axis=(0,))
         zeros = nn.initializers.zeros_init()

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.core.logical_params import logical_init, read_param
 from flaxformer_lite.nn.dense import kernel_matmul, make_kernel
 
 Array = jax.Array
@@ -54,7 +54,8 @@ class HeadProjection(nn.Module):
             "bld,dhk->blhk", x, kernel, scale, self.dtype, int8_kernel=self.int8_kernel
         )
         if self.use_bias:
-            bias = self.param(
+            bias = read_param(
+                self,
                 "bias",
                 logical_init(_zeros, self.axis_names[1:]),
                 (self.heads, self.head_dim),
@@ -129,7 +130,7 @@ class FusedQKVProjection(nn.Module):
         )
         if self.use_bias:
             bias_init = logical_init(_zeros, names[1:])
-            bias = self.param(f"{name}bias", bias_init, shape, self.param_dtype)
+            bias = read_param(self, f"{name}bias", bias_init, shape, self.param_dtype)
             y = y + bias.astype(self.dtype)
         return y
 
@@ -173,8 +174,8 @@ class OutputProjection(nn.Module):
             "blhk,hkd->bld", x, kernel, scale, self.dtype, in_axes=2, int8_kernel=self.int8_kernel
         )
         if self.use_bias:
-            bias = self.param(
-                "bias", logical_init(_zeros, ("embed",)), (self.features,), self.param_dtype
+            bias = read_param(
+                self, "bias", logical_init(_zeros, ("embed",)), (self.features,), self.param_dtype
             )
             y = y + bias.astype(self.dtype)
         return y

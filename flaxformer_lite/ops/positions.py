@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxformer_lite.core.logical_params import logical_init
+from flaxformer_lite.core.logical_params import logical_init, read_param
 
 Array = jax.Array
 
@@ -71,7 +71,8 @@ class LearnedPositions(nn.Module):
     @nn.compact
     def __call__(self, x: Array, positions: Array) -> Array:
         """x `[batch, length, dim]`, positions int `[batch, length]` -> x + embedding."""
-        table = self.param(
+        table = read_param(
+            self,
             "embedding",
             logical_init(nn.initializers.normal(0.02), (None, "embed")),
             (self.offset + self.max_len, self.dim),
@@ -231,7 +232,8 @@ class RelativePositionBias(nn.Module):
 
     @nn.compact
     def __call__(self, query_positions: Array, key_positions: Array) -> Array:
-        table = self.param(
+        table = read_param(
+            self,
             "embedding",
             logical_init(nn.initializers.normal(0.02), (None, "heads")),
             (self.num_buckets, self.num_heads),
