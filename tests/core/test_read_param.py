@@ -64,7 +64,8 @@ def model_and_inputs(case):
 @pytest.fixture(scope="module", params=sorted(CASES))
 def initialised(request):
     model, inputs = model_and_inputs(request.param)
-    variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), *inputs))
+    # Shapes only (jax.ShapeDtypeStruct leaves): what is tested is what tracing does.
+    variables = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.key(0), *inputs)))
     return model, inputs, variables
 
 
@@ -73,7 +74,6 @@ def test_apply_traces_no_initializer(initialised, monkeypatch):
     every read: applying the model (traced, as a jitted step would) never does. (Flax's own
     once-per-module ``eval_shape`` of a ``setup`` under ``nn.scan`` is let through.)"""
     model, inputs, variables = initialised
-    expected = jax.jit(model.apply)(variables, *inputs)
     eval_shape = jax.eval_shape
 
     def refuse_from_scope_param(fn, *args, **kwargs):
@@ -82,8 +82,8 @@ def test_apply_traces_no_initializer(initialised, monkeypatch):
         return eval_shape(fn, *args, **kwargs)
 
     monkeypatch.setattr(jax, "eval_shape", refuse_from_scope_param)
-    got = jax.jit(lambda v, *x: model.apply(v, *x))(variables, *inputs)
-    assert jax.tree_util.tree_all(jax.tree_util.tree_map(jnp.array_equal, got, expected))
+    logits = eval_shape(model.apply, variables, *inputs)
+    assert logits.shape[0] == inputs[0].shape[0]
 
 
 def test_a_parameter_of_the_wrong_shape_is_refused_naming_it(initialised):
@@ -100,9 +100,11 @@ def test_a_parameter_of_the_wrong_shape_is_refused_naming_it(initialised):
         first.setdefault((path[-2:] if len(path) > 1 else path), (path, leaf))
     assert len(first) >= 10
     for path, leaf in first.values():
-        shape = jnp.shape(leaf)
+        shape = leaf.shape
         wrong = (*shape[:-1], shape[-1] + 1)
-        params = traverse_util.unflatten_dict({**flat, path: jnp.zeros(wrong, leaf.dtype)})
+        params = traverse_util.unflatten_dict(
+            {**flat, path: jax.ShapeDtypeStruct(wrong, leaf.dtype)}
+        )
         with pytest.raises(errors.ScopeParamShapeError) as info:
             jax.eval_shape(model.apply, {**variables, "params": params}, *inputs)
         message = str(info.value)
