@@ -30,6 +30,9 @@ rotates every round, so machine load hits every system alike), greedy and beam 4
   (``Translator(dtype="bfloat16")``'s ``with_dtype``), against ``ct2-bfloat16`` and
   ``ct2-int8_bfloat16`` (CTranslate2's compute types, where the CPU has them:
   ``ctranslate2.get_supported_compute_types("cpu")``).
+* ``ours-int8-bf16``: the int8 model of ``flaxformer_lite-int8`` with its floating parameters
+  (scales, norms, biases) and every computation but the int8 products in bfloat16
+  (``with_dtype`` on the quantized weights): CTranslate2's ``int8_bfloat16`` scheme.
 
 Every system must produce exactly ``new`` tokens per sentence: the final logits bias of EOS and
 of pad is -1e4 in the shared weights, so no system can end a sentence early (checked: no EOS in
@@ -118,6 +121,7 @@ SYSTEMS = (
     "flaxformer_lite-int8",
     "ours-int8-xla",
     "flaxformer_lite-bf16",
+    "ours-int8-bf16",
     "ct2-bfloat16",
     "ct2-int8_bfloat16",
 )
@@ -238,11 +242,13 @@ def main() -> None:
         config_q = config.replace(quantization="int8")
         params_q = quantize_params(params, config)
         params_bf16, config_bf16 = with_dtype(params, config, "bfloat16")
+        params_q_bf16, config_q_bf16 = with_dtype(params_q, config_q, "bfloat16")
         kinds = {  # our systems' weights and configs, placed on their devices once per cell
             "f32": (params, config),
             "int8": (params_q, config_q),
             "int8-xla": (params_q, config_q.replace(int8_kernel="xla")),
             "bf16": (params_bf16, config_bf16),
+            "int8-bf16": (params_q_bf16, config_q_bf16),
         }
         supported = ctranslate2.get_supported_compute_types("cpu")
         for name, kind in CT2_SYSTEMS.items():
@@ -270,6 +276,7 @@ def main() -> None:
                     wanted += [("int8", mesh)] if "flaxformer_lite-int8" in systems else []
                     wanted += [("int8-xla", mesh)] if "ours-int8-xla" in systems else []
                     wanted += [("bf16", mesh)] if "flaxformer_lite-bf16" in systems else []
+                    wanted += [("int8-bf16", mesh)] if "ours-int8-bf16" in systems else []
                     wanted += [("f32", one_device)] if "ours-1device" in systems else []
                     placed = {  # as the Translator does: on the devices once, not per call
                         (kind, m.devices.size): place_params(
@@ -300,6 +307,9 @@ def main() -> None:
                         compile_ours("int8-xla") if ("int8-xla", mesh) in wanted else None
                     )
                     compiled_bf16 = compile_ours("bf16") if ("bf16", mesh) in wanted else None
+                    compiled_q_bf16 = (
+                        compile_ours("int8-bf16") if ("int8-bf16", mesh) in wanted else None
+                    )
                     on_one = (
                         compile_ours("f32", mesh=one_device) if "ours-1device" in systems else None
                     )
@@ -350,6 +360,9 @@ def main() -> None:
                         "flaxformer_lite-bf16": lambda c=compiled_bf16, s=src: run_ours(
                             c, s, "bf16"
                         ),
+                        "ours-int8-bf16": lambda c=compiled_q_bf16, s=src: run_ours(
+                            c, s, "int8-bf16"
+                        ),
                         "ct2-bfloat16": lambda: run_ct2("ct2-bfloat16"),
                         "ct2-int8_bfloat16": lambda: run_ct2("ct2-int8_bfloat16"),
                     }
@@ -395,6 +408,8 @@ def main() -> None:
         ("ours-int8 / ours", "flaxformer_lite-int8", "flaxformer_lite"),
         ("ours-int8 / ct2-int8", "flaxformer_lite-int8", "ct2-int8"),
         ("ours-int8 / ours-int8-xla", "flaxformer_lite-int8", "ours-int8-xla"),
+        ("ours-int8-bf16 / ct2-int8", "ours-int8-bf16", "ct2-int8"),
+        ("ours-int8-bf16 / ours-int8", "ours-int8-bf16", "flaxformer_lite-int8"),
         ("ours-bf16 / ours", "flaxformer_lite-bf16", "flaxformer_lite"),
         ("ours-bf16 / ct2-bf16", "flaxformer_lite-bf16", "ct2-bfloat16"),
         ("ours-bf16 / ct2-int8-bf16", "flaxformer_lite-bf16", "ct2-int8_bfloat16"),
