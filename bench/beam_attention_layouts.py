@@ -19,6 +19,10 @@ step at batch 32). The variants read the cache stored heads first (``kv_cache.he
              for the values)
   reduce     no dots: both products as broadcast multiplies and sums
   reduce_logits  the logits as a multiply and a sum, the values by ``split``'s dot
+  keys_first the library's per-row dots with the keys as the logits dot's left operand:
+             logits `[rows, kv_heads, slots, groups, queries]` (32 slots against 4 queries
+             per product instead of 4 queries against 32 slots), the softmax and the values
+             dot on that order
 
     .venv/bin/python bench/beam_attention_layouts.py --rounds 5
     .venv/bin/python bench/beam_attention_layouts.py --variants library by_beam --rounds 5
@@ -158,6 +162,31 @@ def attend_by_beam(query, key, value, mask, bias, beam, scale=None):
     return out.reshape(batch, joint_q, heads, head_dim)
 
 
+def attend_keys_first(query, key, value, mask, bias, beam, scale=None):
+    batch, joint_q, heads, head_dim = query.shape
+    rows, slots, kv_heads, _ = key.shape
+    groups = heads // kv_heads
+    q = _queries(query, beam, kv_heads, scale).reshape(rows, joint_q, kv_heads, groups, head_dim)
+    q = jnp.transpose(q, (0, 2, 3, 1, 4))  # [rows, kv_heads, groups, q, d]
+    k, v = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)  # [rows, kv_heads, slots, d]
+    logits = jnp.einsum("rhkd,rhgqd->rhkgq", k, q, preferred_element_type=jnp.float32)
+    logits = logits.reshape(batch, beam, kv_heads, slots, groups, joint_q)
+
+    def keys_first(x):  # [b|1, beam, kv|1, g|1, q, slots] -> [b|1, beam, kv|1, slots, g|1, q]
+        return jnp.moveaxis(beam_cache._beam_major(x, kv_heads, beam, slots), 5, 3)
+
+    if bias is not None:
+        logits = logits + keys_first(bias).astype(jnp.float32)
+    allowed = keys_first(mask)
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=(1, 3))
+    weights = jnp.where(allowed, weights, 0.0).astype(value.dtype)
+    weights = weights.reshape(rows, kv_heads, slots, groups, joint_q)
+    out = jnp.einsum("rhkgq,rhkd->rhgqd", weights, v)
+    out = out.reshape(batch, beam, kv_heads, groups, joint_q, head_dim).sum(axis=1)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, joint_q, heads, head_dim)
+
+
 VARIANTS = {
     "library": beam_cache.attend_beams,
     "by_beam": attend_by_beam,
@@ -165,6 +194,7 @@ VARIANTS = {
     "per_row": attend_per_row,
     "reduce": attend_reduce,
     "reduce_logits": attend_reduce_logits,
+    "keys_first": attend_keys_first,
 }
 
 
