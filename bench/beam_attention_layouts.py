@@ -9,28 +9,22 @@ step at batch 32). The variants read the cache stored heads first (``kv_cache.he
 
   library    ``attend_beams`` as it is: no split of the cache's rows, each source's queries
              repeated for its ``beam`` cache rows, both dots batched over (row, kv_head), their
-             outputs in dot_general's own order; the softmax over a source's (beam, slot) keys
-  by_beam    the library before: the rows split into (batch, key beam), the key beam a batch
-             dimension of both dots, the logits `[batch, kv_heads, groups, queries, beam,
-             slots]` (XLA copies the keys and values of every layer at every step)
+             outputs in dot_general's own order, the keys the logits dot's left operand
+             (logits `[rows, kv_heads, slots, groups, queries]`); the softmax over a source's
+             (beam, slot) keys
+  queries_first  the library before issue 26's keys-first logits: the queries the logits
+             dot's left operand, logits `[rows, kv_heads, groups, queries, slots]` (4 queries
+             against a row's 32 slots per product)
+  by_beam    the library before queries_first: the rows split into (batch, key beam), the
+             key beam a batch dimension of both dots, the logits `[batch, kv_heads, groups,
+             queries, beam, slots]` (XLA copies the keys and values of every layer at every
+             step)
   split      the same split of the rows, taken from the heads-first view, and the key beam
              second in the logits (XLA duplicates the cache write and copies the cache)
   per_row    the library's dots with the outputs in the callers' order (XLA's slow loop dot
              for the values)
   reduce     no dots: both products as broadcast multiplies and sums
   reduce_logits  the logits as a multiply and a sum, the values by ``split``'s dot
-  keys_first the library's per-row dots with the keys as the logits dot's left operand:
-             logits `[rows, kv_heads, slots, groups, queries]` (32 slots against 4 queries
-             per product instead of 4 queries against 32 slots), the softmax and the values
-             dot on that order
-
-    .venv/bin/python bench/beam_attention_layouts.py --rounds 5
-    .venv/bin/python bench/beam_attention_layouts.py --variants library by_beam --rounds 5
-
-At opus-mt size (d_model 512, 6+6 layers, vocabulary 58,101, random weights), beam 4, batch
-32, 24 source tokens, 32 new tokens. Prints new tokens per second per variant and the ratio
-to ``library`` per round; every variant's tokens are checked equal to ``library``'s. Writes
-bench/results/beam_attention_layouts.json.
 """
 
 from __future__ import annotations
@@ -162,27 +156,21 @@ def attend_by_beam(query, key, value, mask, bias, beam, scale=None):
     return out.reshape(batch, joint_q, heads, head_dim)
 
 
-def attend_keys_first(query, key, value, mask, bias, beam, scale=None):
+def attend_queries_first(query, key, value, mask, bias, beam, scale=None):
+    """``attend_beams`` before issue 26's keys-first logits: the same per-row dots with the
+    queries as the logits dot's left operand, logits `[rows, kv_heads, groups, queries,
+    slots]`."""
     batch, joint_q, heads, head_dim = query.shape
     rows, slots, kv_heads, _ = key.shape
     groups = heads // kv_heads
     q = _queries(query, beam, kv_heads, scale).reshape(rows, joint_q, kv_heads, groups, head_dim)
     q = jnp.transpose(q, (0, 2, 3, 1, 4))  # [rows, kv_heads, groups, q, d]
     k, v = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)  # [rows, kv_heads, slots, d]
-    logits = jnp.einsum("rhkd,rhgqd->rhkgq", k, q, preferred_element_type=jnp.float32)
-    logits = logits.reshape(batch, beam, kv_heads, slots, groups, joint_q)
-
-    def keys_first(x):  # [b|1, beam, kv|1, g|1, q, slots] -> [b|1, beam, kv|1, slots, g|1, q]
-        return jnp.moveaxis(beam_cache._beam_major(x, kv_heads, beam, slots), 5, 3)
-
-    if bias is not None:
-        logits = logits + keys_first(bias).astype(jnp.float32)
-    allowed = keys_first(mask)
-    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=(1, 3))
-    weights = jnp.where(allowed, weights, 0.0).astype(value.dtype)
-    weights = weights.reshape(rows, kv_heads, slots, groups, joint_q)
-    out = jnp.einsum("rhkgq,rhkd->rhgqd", weights, v)
+    logits = jnp.einsum("rhgqd,rhkd->rhgqk", q, k, preferred_element_type=jnp.float32)
+    logits = logits.reshape(batch, beam, kv_heads, groups, joint_q, slots)
+    weights = _softmax(logits, mask, bias, kv_heads, beam, slots, value.dtype)
+    weights = weights.reshape(rows, kv_heads, groups, joint_q, slots)
+    out = jnp.einsum("rhgqk,rhkd->rhgqd", weights, v)
     out = out.reshape(batch, beam, kv_heads, groups, joint_q, head_dim).sum(axis=1)
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, joint_q, heads, head_dim)
 
@@ -194,7 +182,7 @@ VARIANTS = {
     "per_row": attend_per_row,
     "reduce": attend_reduce,
     "reduce_logits": attend_reduce_logits,
-    "keys_first": attend_keys_first,
+    "queries_first": attend_queries_first,
 }
 
 
